@@ -1,0 +1,19 @@
+/* Subcommands of the kvasir binary. Each is a thin wrapper over the modules:
+ * it parses its arguments, calls the library and maps errors to exit codes
+ * (0 ok, 1 runtime error, 2 usage error). Each prints its usage on --help. */
+#ifndef KVS_CLI_H
+#define KVS_CLI_H
+
+struct kvs_cli_command {
+    const char *name;     /* first word, e.g. "run" or "gguf" */
+    const char *summary;  /* one line for `kvasir --help` */
+    int (*main)(int argc, char **argv); /* argv[0] is the subcommand name */
+};
+
+/* Register new subcommands in the table in src/cli/main.c. */
+int kvs_cli_gguf(int argc, char **argv);     /* gguf info | gguf synth */
+int kvs_cli_run(int argc, char **argv);      /* run a prompt (single process or --ring N) */
+int kvs_cli_eval(int argc, char **argv);     /* teacher-forced top-k probabilities */
+int kvs_cli_tokenize(int argc, char **argv); /* text -> token ids */
+
+#endif

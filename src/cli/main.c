@@ -1,0 +1,38 @@
+/* kvasir: entry point and subcommand dispatch. */
+#include "cli/cli.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static const struct kvs_cli_command commands[] = {
+    /* Keep sorted by name. Add one line per subcommand. */
+    { "eval", "evaluate token ids teacher-forced; JSON top-k per position", kvs_cli_eval },
+    { "gguf", "inspect (info) or create (synth) GGUF files", kvs_cli_gguf },
+    { "run", "generate text from a prompt (one process, or a local ring)", kvs_cli_run },
+    { "tokenize", "print the token ids of a text", kvs_cli_tokenize },
+};
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: kvasir <command> [options]   (kvasir <command> --help)\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        usage(stdout);
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        if (!strcmp(argv[1], commands[i].name))
+            return commands[i].main(argc - 1, argv + 1);
+    fprintf(stderr, "kvasir: unknown command '%s'\n", argv[1]);
+    usage(stderr);
+    return 2;
+}

@@ -1,0 +1,107 @@
+/* Quantized CPU kernels: block formats, activation quantization, dot
+ * products, and threaded matrix-vector / matrix-matrix products.
+ *
+ * Formats and the multiply recipe follow ../shared/docs/gguf-facts.md §2:
+ * every weight type has a "vec_dot type" the F32 activations are converted to
+ * (Q8_0, Q8_1, Q8_K, F16, BF16 or F32), and the dot product runs on the
+ * integer (or half) values, so results track llama.cpp closely.
+ *
+ * Every kernel has a scalar reference (kvs_ref_*) and SIMD paths (AVX2,
+ * AVX-512 on x86; NEON on ARM) chosen once at kvs_kernels_init time by CPU
+ * feature detection. Tests compare SIMD against scalar per type.
+ */
+#ifndef KVS_KERNELS_H
+#define KVS_KERNELS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/error.h"
+#include "gguf/gguf.h" /* enum kvs_type and kvs_type_block */
+
+/* --- scalar conversions (gguf-facts §2.2) ---------------------------------- */
+float kvs_f16_to_f32(uint16_t h);
+uint16_t kvs_f32_to_f16(float f);  /* round to nearest even */
+float kvs_bf16_to_f32(uint16_t h);
+uint16_t kvs_f32_to_bf16(float f); /* round to nearest even, NaN quieted */
+
+/* Which SIMD level the dispatcher picked. */
+enum kvs_isa { KVS_ISA_SCALAR = 0, KVS_ISA_AVX2, KVS_ISA_AVX512, KVS_ISA_NEON };
+
+/* The function table for one ISA. All pointers are non-NULL (falling back to
+ * scalar where an ISA has no special path). */
+struct kvs_kernels;
+
+/* The table for the best ISA this CPU supports, or for `isa` if forced (tests
+ * compare tables). Returns NULL if isa is not supported on this CPU. The
+ * tables are static, immutable data: no init call, thread-safe. */
+const struct kvs_kernels *kvs_kernels_get(enum kvs_isa isa);
+const struct kvs_kernels *kvs_kernels_best(void);
+enum kvs_isa kvs_kernels_isa(const struct kvs_kernels *k);
+const char *kvs_isa_name(enum kvs_isa isa);
+
+/* True if matmul/dequant support weights of this type. */
+bool kvs_type_supported(enum kvs_type type);
+/* The activation type used for dot products with weights of `type`. */
+enum kvs_type kvs_vec_dot_type(enum kvs_type type);
+
+/* Dequantize n elements (n a multiple of the block size) from src to dst. */
+void kvs_dequantize_row(const struct kvs_kernels *k, enum kvs_type type, const void *src, float *dst,
+                        int64_t n);
+/* Quantize n F32 values into the activation format `act_type` (Q8_0, Q8_1,
+ * Q8_K, F16, BF16; F32 copies), exactly as llama.cpp's run-time quantizers do
+ * (gguf-facts §2.5 rounding rules). dst holds kvs_type_row_bytes(act_type, n). */
+void kvs_quantize_act(const struct kvs_kernels *k, enum kvs_type act_type, const float *src, void *dst,
+                      int64_t n);
+/* Dot product of one weight row (n elements of type) with one activation row
+ * already quantized to kvs_vec_dot_type(type). */
+float kvs_vec_dot(const struct kvs_kernels *k, enum kvs_type type, int64_t n, const void *w_row,
+                  const void *act);
+
+/* Reference weight quantizer (to create files: synth, tests): F32 -> type
+ * for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16, F32 (gguf-facts §2.3
+ * reference quantizers). Returns KVS_ERR_UNSUPPORTED for other types. */
+kvs_err kvs_quantize_weights(enum kvs_type type, const float *src, void *dst, int64_t n);
+
+/* --- thread pool -------------------------------------------------------- */
+struct kvs_pool; /* opaque: n persistent worker threads (caller is one of them) */
+
+/* n_threads >= 1 threads in total (n_threads - 1 are spawned). */
+kvs_err kvs_pool_create(int n_threads, struct kvs_pool **out);
+void kvs_pool_destroy(struct kvs_pool *p);
+int kvs_pool_n_threads(const struct kvs_pool *p);
+/* Runs fn(ctx, ith, nth) on every thread (ith = 0 on the caller) and returns
+ * when all are done. Not reentrant; one caller at a time. Allocates nothing. */
+void kvs_pool_run(struct kvs_pool *p, void (*fn)(void *ctx, int ith, int nth), void *ctx);
+
+/* --- matrix products ---------------------------------------------------- */
+/* A weight matrix view: ne0 = K (input features, contiguous), ne1 = N rows
+ * (output features). Borrowed pointer into the GGUF mapping. */
+struct kvs_matrix {
+    enum kvs_type type;
+    int64_t ne0, ne1;
+    size_t row_bytes; /* kvs_type_row_bytes(type, ne0) */
+    const void *data;
+};
+
+/* Scratch bytes kvs_matmul needs for n_tok activation rows of K features
+ * with weights of `type`. */
+size_t kvs_matmul_scratch_bytes(enum kvs_type type, int64_t K, int64_t n_tok);
+
+/* y[t][n] = sum_k W[n][k] * x[t][k] for t < n_tok, n < N.
+ * x: n_tok rows of K floats (row stride K); y: n_tok rows of N floats (row
+ * stride N). Quantizes x into `scratch` (kvs_matmul_scratch_bytes) and splits
+ * the work over the pool. n_tok == 1 is the decode (matrix-vector) path;
+ * n_tok > 1 reuses each weight block for all tokens (prefill). Allocates
+ * nothing. */
+void kvs_matmul(const struct kvs_kernels *k, struct kvs_pool *pool, const struct kvs_matrix *W,
+                const float *x, int64_t n_tok, float *y, void *scratch);
+
+/* Same, for a subset of rows of a 3-D expert tensor etc.: computes only the
+ * rows [row_begin, row_end) of W into y (stride N = row_end - row_begin). */
+void kvs_matmul_rows(const struct kvs_kernels *k, struct kvs_pool *pool, const struct kvs_matrix *W,
+                     int64_t row_begin, int64_t row_end, const float *x, int64_t n_tok, float *y,
+                     void *scratch);
+
+#endif

@@ -1,0 +1,104 @@
+/* A window of a transformer's blocks: the unit of computation of a stage.
+ *
+ * A kvs_model holds blocks [block_begin, block_end) of a GGUF model, plus the
+ * token embedding if block_begin == 0 (the head) and the output norm + output
+ * head (or the tied embedding) if block_end == n_block (the tail). A single
+ * process runs the window [0, n_block) with both. Only the window's tensors
+ * are touched, so only their pages of the mapped file are read.
+ *
+ * Architectures: llama, qwen2, qwen3, qwen3moe; forward pass as in
+ * ../shared/docs/gguf-facts.md §4. KV cache in F16, one slot per sequence.
+ */
+#ifndef KVS_MODEL_H
+#define KVS_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/error.h"
+#include "gguf/gguf.h"
+
+enum kvs_arch { KVS_ARCH_LLAMA = 0, KVS_ARCH_QWEN2, KVS_ARCH_QWEN3, KVS_ARCH_QWEN3MOE, KVS_ARCH_COUNT_ };
+
+/* Hyperparameters read from `<arch>.*` metadata (gguf-facts §3.2). */
+struct kvs_hparams {
+    enum kvs_arch arch;
+    char arch_name[32];
+    uint32_t n_block;        /* block_count */
+    uint32_t n_embd;         /* embedding_length */
+    uint32_t n_head;         /* attention.head_count */
+    uint32_t n_head_kv;      /* attention.head_count_kv */
+    uint32_t head_dim;       /* attention.key_length (default n_embd / n_head) */
+    uint32_t n_rot;          /* rope.dimension_count (default head_dim) */
+    uint32_t n_ff;           /* feed_forward_length (dense) */
+    uint32_t n_expert;       /* 0 for dense */
+    uint32_t n_expert_used;
+    uint32_t n_ff_exp;       /* expert_feed_forward_length */
+    uint32_t n_vocab;
+    uint32_t n_ctx_train;    /* context_length */
+    float rms_eps;
+    float rope_freq_base;
+    float rope_freq_scale;   /* 1 / rope.scaling.factor, 1 if absent */
+    bool rope_neox;          /* NEOX pairing (i, i + n_rot/2) vs adjacent */
+    bool tied_output;        /* no output.weight: the embedding is the head */
+};
+
+/* Reads and checks hyperparameters. Errors: KVS_ERR_UNSUPPORTED (unknown
+ * architecture), KVS_ERR_FORMAT/NOT_FOUND (missing or mistyped keys). */
+kvs_err kvs_hparams_read(const struct kvs_gguf *g, struct kvs_hparams *hp, char *errbuf, size_t errlen);
+
+struct kvs_model_params {
+    int32_t block_begin;   /* first block, default 0 */
+    int32_t block_end;     /* one past the last block; -1 = n_block (default) */
+    int32_t n_ctx;         /* KV positions per sequence; 0 = min(n_ctx_train, 4096) */
+    int32_t n_seq;         /* sequence slots (KV caches); default 1 */
+    int32_t n_batch;       /* most tokens per forward call; default 512 */
+    int32_t n_threads;     /* compute threads; default 2 */
+};
+struct kvs_model_params kvs_model_default_params(void);
+
+struct kvs_model; /* opaque */
+
+/* Builds the window over g (borrowed: g must outlive the model). Allocates
+ * the KV cache (F16) and every work buffer up front: forward allocates
+ * nothing. Errors: KVS_ERR_RANGE (bad window), KVS_ERR_NOT_FOUND (a tensor the
+ * window needs is absent), KVS_ERR_FORMAT (a tensor of the wrong shape),
+ * KVS_ERR_UNSUPPORTED (tensor type), KVS_ERR_NOMEM. */
+kvs_err kvs_model_load(const struct kvs_gguf *g, const struct kvs_model_params *p, struct kvs_model **out,
+                       char *errbuf, size_t errlen);
+void kvs_model_free(struct kvs_model *m);
+
+const struct kvs_hparams *kvs_model_hparams(const struct kvs_model *m);
+bool kvs_model_has_embd(const struct kvs_model *m);  /* block_begin == 0 */
+bool kvs_model_has_head(const struct kvs_model *m);  /* block_end == n_block */
+int32_t kvs_model_block_begin(const struct kvs_model *m);
+int32_t kvs_model_block_end(const struct kvs_model *m);
+int32_t kvs_model_n_ctx(const struct kvs_model *m);
+int32_t kvs_model_n_seq(const struct kvs_model *m);
+
+/* A batch of tokens, possibly from several sequences. Within one sequence
+ * positions must be consecutive and continue that sequence's cache (the
+ * first token of a sequence in the batch has pos == tokens already cached). */
+struct kvs_batch {
+    int32_t n_tokens;
+    const int32_t *token;   /* [n_tokens] ids; required iff the window has the embedding */
+    const float *embd;      /* [n_tokens][n_embd] boundary input; required iff no embedding */
+    const int32_t *seq;     /* [n_tokens] sequence slot, 0..n_seq-1 */
+    const int32_t *pos;     /* [n_tokens] position within the sequence */
+    const int8_t *logits;   /* [n_tokens] nonzero: output logits for this row (tail only) */
+};
+
+/* Runs the window on a batch. Output:
+ *  - window with the head: out = [n_out][n_vocab] F32 logits, one row per
+ *    batch row with logits[i] != 0, in batch order;
+ *  - otherwise: out = [n_tokens][n_embd] F32 boundary (hidden state after
+ *    the window's last block).
+ * Errors: KVS_ERR_RANGE (position past n_ctx, seq out of range, token id out
+ * of vocabulary, n_tokens > n_batch), KVS_ERR_ARG (missing inputs). */
+kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float *out);
+
+/* Forget sequence `seq`'s cache (positions restart at 0). */
+void kvs_model_seq_clear(struct kvs_model *m, int32_t seq);
+
+#endif
