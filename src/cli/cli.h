@@ -15,5 +15,12 @@ int kvs_cli_gguf(int argc, char **argv);     /* gguf info | gguf synth */
 int kvs_cli_run(int argc, char **argv);      /* run a prompt (single process or --ring N) */
 int kvs_cli_eval(int argc, char **argv);     /* teacher-forced top-k probabilities */
 int kvs_cli_tokenize(int argc, char **argv); /* text -> token ids */
+int kvs_cli_gguf_synth(int argc, char **argv); /* gguf synth (called by kvs_cli_gguf) */
+int kvs_cli_stage(int argc, char **argv);    /* run one ring stage */
+int kvs_cli_serve(int argc, char **argv);    /* local ring + OpenAI API */
+int kvs_cli_shard(int argc, char **argv);    /* shard extract | index | fetch */
+int kvs_cli_seed(int argc, char **argv);     /* HTTP file server with ranges */
+int kvs_cli_plan(int argc, char **argv);     /* rank manifest from devices */
+int kvs_cli_bench(int argc, char **argv);    /* bench --probe */
 
 #endif

@@ -4,11 +4,30 @@
 #include <stdio.h>
 #include <string.h>
 
+/* Subcommands are linked in as their modules land; a missing one reports
+ * itself instead of failing the link. */
+#pragma weak kvs_cli_eval
+#pragma weak kvs_cli_gguf
+#pragma weak kvs_cli_run
+#pragma weak kvs_cli_tokenize
+#pragma weak kvs_cli_stage
+#pragma weak kvs_cli_serve
+#pragma weak kvs_cli_shard
+#pragma weak kvs_cli_seed
+#pragma weak kvs_cli_plan
+#pragma weak kvs_cli_bench
+
 static const struct kvs_cli_command commands[] = {
     /* Keep sorted by name. Add one line per subcommand. */
+    { "bench", "measure this machine (--probe) for the planner", kvs_cli_bench },
     { "eval", "evaluate token ids teacher-forced; JSON top-k per position", kvs_cli_eval },
     { "gguf", "inspect (info) or create (synth) GGUF files", kvs_cli_gguf },
+    { "plan", "place a model's blocks on devices: write a rank manifest", kvs_cli_plan },
     { "run", "generate text from a prompt (one process, or a local ring)", kvs_cli_run },
+    { "seed", "serve model files over HTTP with range requests", kvs_cli_seed },
+    { "serve", "start a local ring and the OpenAI-compatible API", kvs_cli_serve },
+    { "shard", "extract, index or fetch a stage's mini-GGUF", kvs_cli_shard },
+    { "stage", "run one stage of a ring", kvs_cli_stage },
     { "tokenize", "print the token ids of a text", kvs_cli_tokenize },
 };
 
@@ -30,8 +49,13 @@ int main(int argc, char **argv)
         return 0;
     }
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
-        if (!strcmp(argv[1], commands[i].name))
+        if (!strcmp(argv[1], commands[i].name)) {
+            if (!commands[i].main) {
+                fprintf(stderr, "kvasir: command '%s' is not built in this binary\n", argv[1]);
+                return 2;
+            }
             return commands[i].main(argc - 1, argv + 1);
+        }
     fprintf(stderr, "kvasir: unknown command '%s'\n", argv[1]);
     usage(stderr);
     return 2;
