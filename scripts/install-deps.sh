@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the Debian packages Kvasir builds and tests with (as root, or via
+# sudo). Safe to rerun: only missing packages are installed.
+set -euo pipefail
+PKGS="build-essential cmake pkg-config clang libclang-rt-14-dev libcurl4-openssl-dev \
+libmicrohttpd-dev libssl-dev libjansson-dev libpcre2-dev libcmocka-dev lighttpd curl"
+SUDO=""
+[ "$(id -u)" = 0 ] || SUDO="sudo"
+missing=""
+for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+if [ -n "$missing" ]; then
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing
+fi
+# Node.js is only for the OpenAI-client compatibility test.
+if ! command -v node >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm || true
+fi
