@@ -1,0 +1,311 @@
+/* Dot products and matmul: every weight type's vec_dot equals the float dot
+ * of the dequantized weights with the dequantized activations; every SIMD
+ * table agrees with the scalar reference (activation quantization bit for
+ * bit, dot products within a float-reordering tolerance); matmul over pools
+ * of 1, 2 and 3 threads equals row-by-row scalar dots. Random data from a
+ * fixed-seed generator. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "kernels/kernels.h"
+
+/* Float combination order differs between ISAs (SIMD lanes, FMA); relative to
+ * sum |w_i * a_i| the difference stays far below this. */
+#define TOL_REORDER 2e-5
+/* vec_dot vs a double-precision float dot of dequantized values: the only
+ * differences are f32 rounding of per-block scale products. */
+#define TOL_FLOAT_DOT 1e-5
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+
+static uint32_t rnd(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 16);
+}
+
+static float rndf(float lo, float hi)
+{
+    return lo + (hi - lo) * (float)(rnd() & 0xFFFFFF) / (float)0x1000000;
+}
+
+static const enum kvs_type weight_types[] = {
+    KVS_TYPE_F32,  KVS_TYPE_F16,  KVS_TYPE_BF16, KVS_TYPE_Q4_0, KVS_TYPE_Q4_1,
+    KVS_TYPE_Q5_0, KVS_TYPE_Q5_1, KVS_TYPE_Q8_0, KVS_TYPE_Q2_K, KVS_TYPE_Q3_K,
+    KVS_TYPE_Q4_K, KVS_TYPE_Q5_K, KVS_TYPE_Q6_K,
+};
+#define N_WTYPES (sizeof weight_types / sizeof weight_types[0])
+
+static void set16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
+/* Random weights of type t, n elements: random bytes with sane f16 scales
+ * (block layouts: gguf-facts §2.3/§2.4). */
+static void random_weights(enum kvs_type t, uint8_t *dst, int64_t n)
+{
+    size_t bytes = kvs_type_row_bytes(t, n);
+    uint32_t e, bb;
+    kvs_type_block(t, &e, &bb);
+    if (t == KVS_TYPE_F32) {
+        float *f = (float *)dst;
+        for (int64_t i = 0; i < n; i++)
+            f[i] = rndf(-1.0f, 1.0f);
+        return;
+    }
+    if (t == KVS_TYPE_F16 || t == KVS_TYPE_BF16) {
+        for (int64_t i = 0; i < n; i++) {
+            float v = rndf(-1.0f, 1.0f);
+            set16(dst + 2 * i, t == KVS_TYPE_F16 ? kvs_f32_to_f16(v) : kvs_f32_to_bf16(v));
+        }
+        return;
+    }
+    for (size_t i = 0; i < bytes; i++)
+        dst[i] = (uint8_t)rnd();
+    int d_off[2] = {-1, -1};
+    switch (t) {
+    case KVS_TYPE_Q4_0: case KVS_TYPE_Q5_0: case KVS_TYPE_Q8_0: d_off[0] = 0; break;
+    case KVS_TYPE_Q4_1: case KVS_TYPE_Q5_1: case KVS_TYPE_Q4_K: case KVS_TYPE_Q5_K:
+        d_off[0] = 0, d_off[1] = 2; break;
+    case KVS_TYPE_Q2_K: d_off[0] = 80, d_off[1] = 82; break;
+    case KVS_TYPE_Q3_K: d_off[0] = 108; break;
+    case KVS_TYPE_Q6_K: d_off[0] = 208; break;
+    default: fail();
+    }
+    for (int64_t b = 0; b < n / e; b++)
+        for (int k = 0; k < 2; k++)
+            if (d_off[k] >= 0)
+                set16(dst + b * bb + d_off[k], kvs_f32_to_f16(rndf(0.001f, 0.05f) * (rnd() & 1 ? 1 : -1)));
+}
+
+static void random_acts(float *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        x[i] = rndf(-2.0f, 2.0f);
+    x[rnd() % n] = 0.0f;
+    if (n >= 64) {
+        for (int i = 0; i < 32; i++) /* one all-zero block */
+            x[i] = 0.0f;
+        x[40] = 3.5f; /* ties of the x86 rule when this is the block max... */
+        x[41] = -3.5f;
+    }
+}
+
+static const int64_t lengths[] = {256, 512, 1280, 4096};
+
+static void test_vec_dot_vs_float(void **state)
+{
+    (void)state;
+    const struct kvs_kernels *k = kvs_kernels_get(KVS_ISA_SCALAR);
+    for (size_t ti = 0; ti < N_WTYPES; ti++) {
+        enum kvs_type t = weight_types[ti], vt = kvs_vec_dot_type(t);
+        for (size_t li = 0; li < sizeof lengths / sizeof lengths[0]; li++) {
+            int64_t n = lengths[li];
+            uint8_t *w = malloc(kvs_type_row_bytes(t, n));
+            uint8_t *a = malloc(kvs_type_row_bytes(vt, n));
+            float *x = malloc((size_t)n * 4), *wf = malloc((size_t)n * 4), *af = malloc((size_t)n * 4);
+            random_weights(t, w, n);
+            random_acts(x, n);
+            kvs_quantize_act(k, vt, x, a, n);
+            kvs_dequantize_row(k, t, w, wf, n);
+            kvs_dequantize_row(k, vt, a, af, n);
+            double ref = 0.0, mag = 0.0;
+            for (int64_t i = 0; i < n; i++) {
+                ref += (double)wf[i] * af[i];
+                mag += fabs((double)wf[i] * af[i]);
+            }
+            float got = kvs_vec_dot(k, t, n, w, a);
+            if (fabs(got - ref) > TOL_FLOAT_DOT * mag + 1e-30) {
+                print_error("%s n=%lld: vec_dot %.9g float dot %.9g (mag %.3g)\n", kvs_type_name(t),
+                            (long long)n, got, ref, mag);
+                fail();
+            }
+            /* activation dequantized is close to the input (quantization error bound) */
+            for (int64_t i = 0; i < n; i++)
+                assert_true(fabsf(af[i] - x[i]) <= 2.0f / 127.0f * 2.0f + 1e-6f);
+            free(w), free(a), free(x), free(wf), free(af);
+        }
+    }
+}
+
+static void test_simd_vs_scalar(void **state)
+{
+    (void)state;
+    const struct kvs_kernels *ref = kvs_kernels_get(KVS_ISA_SCALAR);
+    static const enum kvs_isa isas[] = {KVS_ISA_AVX2, KVS_ISA_AVX512, KVS_ISA_NEON};
+    for (size_t ii = 0; ii < sizeof isas / sizeof isas[0]; ii++) {
+        const struct kvs_kernels *k = kvs_kernels_get(isas[ii]);
+        if (!k)
+            continue;
+        print_message("comparing %s with scalar\n", kvs_isa_name(isas[ii]));
+        for (size_t ti = 0; ti < N_WTYPES; ti++) {
+            enum kvs_type t = weight_types[ti], vt = kvs_vec_dot_type(t);
+            for (size_t li = 0; li < sizeof lengths / sizeof lengths[0]; li++) {
+                int64_t n = lengths[li];
+                size_t wb = kvs_type_row_bytes(t, n), ab = kvs_type_row_bytes(vt, n);
+                uint8_t *w = malloc(wb), *a = malloc(ab), *a2 = malloc(ab);
+                float *x = malloc((size_t)n * 4), *d1 = malloc((size_t)n * 4), *d2 = malloc((size_t)n * 4);
+                random_weights(t, w, n);
+                random_acts(x, n);
+                /* activation quantization: identical bytes */
+                kvs_quantize_act(ref, vt, x, a, n);
+                kvs_quantize_act(k, vt, x, a2, n);
+                if (memcmp(a, a2, ab) != 0) {
+                    print_error("%s: quantize %s differs from scalar (n=%lld)\n", kvs_isa_name(isas[ii]),
+                                kvs_type_name(vt), (long long)n);
+                    fail();
+                }
+                /* dequantization: same values up to FMA contraction */
+                kvs_dequantize_row(ref, t, w, d1, n);
+                kvs_dequantize_row(k, t, w, d2, n);
+                for (int64_t i = 0; i < n; i++) {
+                    if (fabsf(d1[i] - d2[i]) > 1e-6f * fabsf(d1[i]) + 1e-30f) {
+                        print_error("%s dequant %s [%lld]: %.9g vs %.9g\n", kvs_isa_name(isas[ii]),
+                                    kvs_type_name(t), (long long)i, d2[i], d1[i]);
+                        fail();
+                    }
+                }
+                double mag = 0.0;
+                float *af = malloc((size_t)n * 4);
+                kvs_dequantize_row(ref, vt, a, af, n);
+                for (int64_t i = 0; i < n; i++)
+                    mag += fabs((double)d1[i] * af[i]);
+                free(af);
+                float r = kvs_vec_dot(ref, t, n, w, a), s = kvs_vec_dot(k, t, n, w, a);
+                if (fabs((double)r - s) > TOL_REORDER * mag + 1e-30) {
+                    print_error("%s vec_dot %s n=%lld: %.9g vs scalar %.9g (mag %.3g)\n",
+                                kvs_isa_name(isas[ii]), kvs_type_name(t), (long long)n, s, r, mag);
+                    fail();
+                }
+                free(w), free(a), free(a2), free(x), free(d1), free(d2);
+            }
+        }
+    }
+}
+
+/* Activation quantizers on adversarial inputs: exact ties at mult = 1. */
+static void test_simd_quant_ties(void **state)
+{
+    (void)state;
+    const struct kvs_kernels *ref = kvs_kernels_get(KVS_ISA_SCALAR);
+    float x[512];
+    for (int i = 0; i < 512; i++)
+        x[i] = (float)((i % 254) - 127) + ((i & 1) ? 0.5f : 0.0f);
+    x[0] = 127.0f;
+    x[256] = -127.0f;
+    static const enum kvs_isa isas[] = {KVS_ISA_AVX2, KVS_ISA_AVX512, KVS_ISA_NEON};
+    static const enum kvs_type acts[] = {KVS_TYPE_Q8_0, KVS_TYPE_Q8_1, KVS_TYPE_Q8_K, KVS_TYPE_F16,
+                                         KVS_TYPE_BF16};
+    for (size_t ii = 0; ii < 3; ii++) {
+        const struct kvs_kernels *k = kvs_kernels_get(isas[ii]);
+        if (!k)
+            continue;
+        for (size_t ai = 0; ai < sizeof acts / sizeof acts[0]; ai++) {
+            uint8_t q1[1024], q2[1024];
+            size_t nb = kvs_type_row_bytes(acts[ai], 512);
+            kvs_quantize_act(ref, acts[ai], x, q1, 512);
+            kvs_quantize_act(k, acts[ai], x, q2, 512);
+            assert_memory_equal(q1, q2, nb);
+        }
+    }
+}
+
+static void test_matmul_threads(void **state)
+{
+    (void)state;
+    const struct kvs_kernels *ref = kvs_kernels_get(KVS_ISA_SCALAR);
+    const struct kvs_kernels *best = kvs_kernels_best();
+    static const enum kvs_type types[] = {KVS_TYPE_Q8_0, KVS_TYPE_Q4_0, KVS_TYPE_Q4_K, KVS_TYPE_Q6_K,
+                                          KVS_TYPE_Q5_K, KVS_TYPE_F16, KVS_TYPE_F32, KVS_TYPE_Q4_1};
+    const int64_t K = 512, N = 37;
+    for (int nt = 1; nt <= 3; nt++) {
+        struct kvs_pool *pool = NULL;
+        assert_int_equal(kvs_pool_create(nt, &pool), KVS_OK);
+        assert_int_equal(kvs_pool_n_threads(pool), nt);
+        for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+            enum kvs_type t = types[ti], vt = kvs_vec_dot_type(t);
+            size_t rb = kvs_type_row_bytes(t, K);
+            uint8_t *w = malloc(rb * N);
+            for (int64_t r = 0; r < N; r++)
+                random_weights(t, w + r * rb, K);
+            struct kvs_matrix W = {.type = t, .ne0 = K, .ne1 = N, .row_bytes = rb, .data = w};
+            static const int64_t toks[] = {1, 3, 8, 13};
+            for (size_t k = 0; k < 4; k++) {
+                int64_t T = toks[k];
+                float *x = malloc((size_t)(T * K) * 4), *y = malloc((size_t)(T * N) * 4);
+                void *scratch = malloc(kvs_matmul_scratch_bytes(t, K, T) + 1);
+                uint8_t *a = malloc(kvs_type_row_bytes(vt, K));
+                random_acts(x, T * K);
+                kvs_matmul(best, pool, &W, x, T, y, scratch);
+                for (int64_t tt = 0; tt < T; tt++) {
+                    kvs_quantize_act(ref, vt, x + tt * K, a, K);
+                    for (int64_t r = 0; r < N; r++) {
+                        float want = kvs_vec_dot(ref, t, K, w + r * rb, a);
+                        float got = y[tt * N + r];
+                        if (fabsf(got - want) > 1e-4f * (fabsf(want) + 1.0f)) {
+                            print_error("matmul %s threads=%d T=%lld row %lld tok %lld: %.9g vs %.9g\n",
+                                        kvs_type_name(t), nt, (long long)T, (long long)r, (long long)tt,
+                                        got, want);
+                            fail();
+                        }
+                    }
+                }
+                /* a row subset: rows [5, 20) */
+                kvs_matmul_rows(best, pool, &W, 5, 20, x, T, y, scratch);
+                kvs_quantize_act(ref, vt, x + (T - 1) * K, a, K);
+                for (int64_t r = 5; r < 20; r++) {
+                    float want = kvs_vec_dot(ref, t, K, w + r * rb, a);
+                    assert_true(fabsf(y[(T - 1) * 15 + (r - 5)] - want) <= 1e-4f * (fabsf(want) + 1.0f));
+                }
+                free(x), free(y), free(scratch), free(a);
+            }
+            free(w);
+        }
+        kvs_pool_destroy(pool);
+    }
+}
+
+static void count_task(void *ctx, int ith, int nth)
+{
+    int *slots = ctx;
+    slots[ith] += 1 + nth;
+}
+
+static void test_pool(void **state)
+{
+    (void)state;
+    struct kvs_pool *p = NULL;
+    assert_int_equal(kvs_pool_create(0, &p), KVS_ERR_ARG);
+    assert_int_equal(kvs_pool_create(3, &p), KVS_OK);
+    int slots[3] = {0};
+    for (int i = 0; i < 1000; i++)
+        kvs_pool_run(p, count_task, slots);
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(slots[i], 4000);
+    kvs_pool_destroy(p);
+    kvs_pool_destroy(NULL);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_vec_dot_vs_float),
+        cmocka_unit_test(test_simd_vs_scalar),
+        cmocka_unit_test(test_simd_quant_ties),
+        cmocka_unit_test(test_pool),
+        cmocka_unit_test(test_matmul_threads),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
