@@ -1,0 +1,776 @@
+/* Window-only download of a stage shard over HTTP range requests (RFC 9110
+ * §14: Range, 206 Partial Content, Content-Range), with resume and optional
+ * per-tensor SHA-256 verification against a shard index. */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <curl/curl.h>
+#include <jansson.h>
+#include <openssl/evp.h>
+
+#include "common/log.h"
+#include "shard/shard_impl.h"
+
+#define FETCH_MAX_INDEX (512u * 1024 * 1024) /* largest index document downloaded */
+#define FETCH_STATE_EVERY_NS 500000000ll     /* state file rewritten at most twice a second */
+
+/* One tensor of the window, in shard order. */
+struct ftensor {
+    const char *name;
+    uint64_t src;      /* absolute offset in the source file */
+    uint64_t dst;      /* absolute offset in the shard */
+    uint64_t bytes;
+    uint64_t got;      /* bytes received so far in this run */
+    bool done;
+    uint8_t sha[32];
+    const struct kvs_shard_index_entry *ix; /* NULL without an index */
+};
+
+struct fetch {
+    const struct kvs_shard_fetch_params *p;
+    struct kvs_shard_fetch_stats *st;
+    CURL *curl;
+    char *errbuf;
+    size_t errlen;
+    kvs_err err;          /* set by a callback that aborted the transfer */
+
+    /* the source, from the first response */
+    uint64_t size;
+    char etag[256];
+
+    /* the current response */
+    uint64_t want_first, want_last; /* requested range, inclusive */
+    bool checked;                   /* status/headers verified at the first body byte */
+    uint64_t received;
+    char r_etag[256];
+    bool r_has_cr;
+    uint64_t r_first, r_last, r_total;
+
+    /* header sink */
+    uint8_t *hbuf;
+    size_t hlen, hcap;
+
+    /* data sink */
+    int fd;
+    struct ftensor *t;
+    size_t nt;
+    size_t cur;         /* tensor the next byte belongs to */
+    size_t run_end;     /* one past the last tensor of the current run */
+    uint64_t pos;       /* absolute source offset of the next byte */
+    EVP_MD_CTX *md;
+    bool md_open;
+    char *state_path;
+    int64_t state_saved_ns;
+
+    /* progress */
+    int64_t t0_ns, last_print_ns;
+    uint64_t total_todo, done_bytes;
+    bool tty;
+};
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000ll + ts.tv_nsec;
+}
+
+static kvs_err ferr(struct fetch *f, kvs_err err, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static kvs_err ferr(struct fetch *f, kvs_err err, const char *fmt, ...)
+{
+    if (f->errbuf && f->errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(f->errbuf, f->errlen, fmt, ap);
+        va_end(ap);
+    }
+    f->err = err;
+    return err;
+}
+
+struct kvs_shard_fetch_params kvs_shard_fetch_default_params(void)
+{
+    struct kvs_shard_fetch_params p = { 0 };
+    p.progress = -1;
+    return p;
+}
+
+/* --- progress ---------------------------------------------------------------- */
+
+static void progress(struct fetch *f, bool final)
+{
+    if (f->p->progress == 0)
+        return;
+    int64_t now = now_ns();
+    int64_t every = f->tty ? 100000000ll : 3000000000ll;
+    if (!final && now - f->last_print_ns < every)
+        return;
+    f->last_print_ns = now;
+    double secs = (double)(now - f->t0_ns) / 1e9;
+    double rate = secs > 0 ? (double)f->done_bytes / secs : 0;
+    double left = f->total_todo > f->done_bytes ? (double)(f->total_todo - f->done_bytes) : 0;
+    double eta = rate > 0 ? left / rate : 0;
+    double pct = f->total_todo ? 100.0 * (double)f->done_bytes / (double)f->total_todo : 100.0;
+    if (f->tty) {
+        char bar[31];
+        int fill = (int)(pct * 30 / 100);
+        for (int i = 0; i < 30; i++)
+            bar[i] = i < fill ? '#' : '.';
+        bar[30] = '\0';
+        fprintf(stderr, "\r[%s] %5.1f%% %.1f/%.1f MiB %.1f MiB/s ETA %.0fs ", bar, pct,
+                (double)f->done_bytes / 1048576.0, (double)f->total_todo / 1048576.0, rate / 1048576.0, eta);
+        if (final)
+            fputc('\n', stderr);
+        fflush(stderr);
+    } else {
+        fprintf(stderr, "fetch: %5.1f%% %" PRIu64 "/%" PRIu64 " bytes, %.1f MiB/s, ETA %.0fs\n", pct,
+                f->done_bytes, f->total_todo, rate / 1048576.0, eta);
+    }
+}
+
+/* --- state file ----------------------------------------------------------------- */
+
+static kvs_err state_save(struct fetch *f)
+{
+    json_t *done = json_object();
+    for (size_t i = 0; i < f->nt; i++)
+        if (f->t[i].done) {
+            char hex[65];
+            kvs_shard_hex(f->t[i].sha, hex);
+            json_object_set_new(done, f->t[i].name, json_string(hex));
+        }
+    json_t *root = json_pack("{s:s, s:i, s:s, s:I, s:s, s:I, s:I, s:o}", "format", "kvasir-shard-fetch-state",
+                             "version", 1, "url", f->p->url, "size", (json_int_t)f->size, "etag", f->etag, "begin",
+                             (json_int_t)f->p->begin, "end", (json_int_t)f->p->end, "done", done);
+    if (!root)
+        return KVS_ERR_NOMEM;
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.tmp", f->state_path);
+    int rc = json_dump_file(root, tmp, JSON_COMPACT);
+    json_decref(root);
+    if (rc != 0 || rename(tmp, f->state_path) != 0) {
+        remove(tmp);
+        return ferr(f, KVS_ERR_IO, "cannot write %s", f->state_path);
+    }
+    f->state_saved_ns = now_ns();
+    return KVS_OK;
+}
+
+/* Loads the done set if the state matches this fetch; returns false if the
+ * work files must be started afresh. */
+static bool state_load(struct fetch *f)
+{
+    json_error_t je;
+    json_t *root = json_load_file(f->state_path, 0, &je);
+    if (!root)
+        return false;
+    bool ok = false;
+    json_t *url = json_object_get(root, "url"), *etag = json_object_get(root, "etag");
+    json_t *size = json_object_get(root, "size"), *b = json_object_get(root, "begin");
+    json_t *e = json_object_get(root, "end"), *done = json_object_get(root, "done");
+    if (!json_is_string(url) || strcmp(json_string_value(url), f->p->url) != 0 || !json_is_string(etag) ||
+        !json_is_integer(size) || !json_is_integer(b) || !json_is_integer(e) || !json_is_object(done))
+        goto out;
+    if ((uint64_t)json_integer_value(size) != f->size || strcmp(json_string_value(etag), f->etag) != 0) {
+        KVS_LOGW("fetch: the source changed since the interrupted fetch (size/ETag); starting over");
+        goto out;
+    }
+    if (json_integer_value(b) != f->p->begin || json_integer_value(e) != f->p->end)
+        goto out;
+    for (size_t i = 0; i < f->nt; i++) {
+        json_t *h = json_object_get(done, f->t[i].name);
+        if (json_is_string(h) && kvs_shard_unhex(json_string_value(h), json_string_length(h), f->t[i].sha))
+            f->t[i].done = true;
+    }
+    ok = true;
+out:
+    json_decref(root);
+    return ok;
+}
+
+/* --- HTTP ----------------------------------------------------------------------- */
+
+static void trim_copy(char *dst, size_t cap, const char *s, size_t n)
+{
+    while (n && (*s == ' ' || *s == '\t')) {
+        s++;
+        n--;
+    }
+    while (n && (s[n - 1] == '\r' || s[n - 1] == '\n' || s[n - 1] == ' '))
+        n--;
+    if (n >= cap)
+        n = cap - 1;
+    memcpy(dst, s, n);
+    dst[n] = '\0';
+}
+
+static size_t on_header(char *buf, size_t size, size_t nitems, void *ud)
+{
+    struct fetch *f = ud;
+    size_t n = size * nitems;
+    if (n >= 5 && !strncmp(buf, "HTTP/", 5)) { /* a new response (e.g. after a redirect) */
+        f->r_etag[0] = '\0';
+        f->r_has_cr = false;
+    } else if (n > 5 && !strncasecmp(buf, "ETag:", 5)) {
+        trim_copy(f->r_etag, sizeof f->r_etag, buf + 5, n - 5);
+    } else if (n > 14 && !strncasecmp(buf, "Content-Range:", 14)) {
+        char v[128];
+        trim_copy(v, sizeof v, buf + 14, n - 14);
+        uint64_t a, b, t;
+        char tail;
+        if (sscanf(v, "bytes %" SCNu64 "-%" SCNu64 "/%" SCNu64 "%c", &a, &b, &t, &tail) == 3 && a <= b && b < t) {
+            f->r_has_cr = true;
+            f->r_first = a;
+            f->r_last = b;
+            f->r_total = t;
+        }
+    }
+    return n;
+}
+
+/* Called at the first body byte (or at the end of an empty body): the status
+ * and headers must describe exactly the requested range of the same file. */
+static bool check_response(struct fetch *f)
+{
+    if (f->checked)
+        return true;
+    f->checked = true;
+    long code = 0;
+    curl_easy_getinfo(f->curl, CURLINFO_RESPONSE_CODE, &code);
+    if (code == 200) {
+        ferr(f, KVS_ERR_NET,
+             "%s: the server ignored the Range request (HTTP 200 instead of 206): it does not serve byte ranges",
+             f->p->url);
+        return false;
+    }
+    if (code != 206) {
+        ferr(f, KVS_ERR_NET, "%s: HTTP %ld for bytes %" PRIu64 "-%" PRIu64, f->p->url, code, f->want_first,
+             f->want_last);
+        return false;
+    }
+    if (!f->r_has_cr) {
+        ferr(f, KVS_ERR_NET, "%s: 206 response without a valid Content-Range", f->p->url);
+        return false;
+    }
+    if (f->size == 0) { /* first response: learn the source's identity */
+        f->size = f->r_total;
+        snprintf(f->etag, sizeof f->etag, "%s", f->r_etag);
+        if (!f->etag[0])
+            KVS_LOGW("fetch: the server sends no ETag; only the size can detect a changed source");
+    } else if (f->r_total != f->size || strcmp(f->r_etag, f->etag) != 0) {
+        ferr(f, KVS_ERR_MISMATCH,
+             "%s changed during the fetch: size %" PRIu64 " -> %" PRIu64 ", ETag %s -> %s", f->p->url, f->size,
+             f->r_total, f->etag[0] ? f->etag : "(none)", f->r_etag[0] ? f->r_etag : "(none)");
+        return false;
+    }
+    uint64_t last = f->want_last < f->r_total ? f->want_last : f->r_total - 1;
+    if (f->r_first != f->want_first || f->r_last != last) {
+        ferr(f, KVS_ERR_NET, "%s: asked for bytes %" PRIu64 "-%" PRIu64 ", got %" PRIu64 "-%" PRIu64, f->p->url,
+             f->want_first, f->want_last, f->r_first, f->r_last);
+        return false;
+    }
+    return true;
+}
+
+static size_t sink_header(char *data, size_t size, size_t nmemb, void *ud)
+{
+    struct fetch *f = ud;
+    size_t n = size * nmemb;
+    if (!check_response(f))
+        return 0;
+    if (n > f->hcap - f->hlen) {
+        ferr(f, KVS_ERR_NET, "%s: response longer than the requested range", f->p->url);
+        return 0;
+    }
+    memcpy(f->hbuf + f->hlen, data, n);
+    f->hlen += n;
+    f->received += n;
+    return n;
+}
+
+static bool all_zero(const uint8_t *p, size_t n)
+{
+    return n == 0 || (p[0] == 0 && memcmp(p, p + 1, n - 1) == 0);
+}
+
+static kvs_err tensor_finish(struct fetch *f, struct ftensor *t)
+{
+    unsigned int len = 0;
+    if (!f->md_open || !EVP_DigestFinal_ex(f->md, t->sha, &len))
+        return ferr(f, KVS_ERR_INTERNAL, "SHA-256 failed");
+    f->md_open = false;
+    if (t->ix && memcmp(t->ix->sha256, t->sha, 32) != 0) {
+        char want[65], got[65];
+        kvs_shard_hex(t->ix->sha256, want);
+        kvs_shard_hex(t->sha, got);
+        return ferr(f, KVS_ERR_HASH, "tensor '%s': SHA-256 %s does not match the index (%s)", t->name, got, want);
+    }
+    t->done = true;
+    if (now_ns() - f->state_saved_ns >= FETCH_STATE_EVERY_NS)
+        return state_save(f);
+    return KVS_OK;
+}
+
+static size_t sink_data(char *data, size_t size, size_t nmemb, void *ud)
+{
+    struct fetch *f = ud;
+    size_t n = size * nmemb;
+    if (!check_response(f))
+        return 0;
+    const uint8_t *p = (const uint8_t *)data;
+    size_t left = n;
+    while (left) {
+        if (f->cur >= f->run_end) {
+            ferr(f, KVS_ERR_NET, "%s: response longer than the requested range", f->p->url);
+            return 0;
+        }
+        struct ftensor *t = &f->t[f->cur];
+        if (f->pos < t->src) { /* alignment padding between tensors */
+            uint64_t skip = t->src - f->pos;
+            size_t k = skip < left ? (size_t)skip : left;
+            p += k;
+            left -= k;
+            f->pos += k;
+            continue;
+        }
+        uint64_t in = f->pos - t->src;
+        size_t k = t->bytes - in < left ? (size_t)(t->bytes - in) : left;
+        if (in == 0) {
+            if (!EVP_DigestInit_ex(f->md, EVP_sha256(), NULL)) {
+                ferr(f, KVS_ERR_INTERNAL, "SHA-256 init failed");
+                return 0;
+            }
+            f->md_open = true;
+        }
+        if (k) {
+            if (!EVP_DigestUpdate(f->md, p, k)) {
+                ferr(f, KVS_ERR_INTERNAL, "SHA-256 failed");
+                return 0;
+            }
+            /* Zeros stay holes: the .part file was created with ftruncate. */
+            if (!all_zero(p, k)) {
+                size_t w = 0;
+                while (w < k) {
+                    ssize_t r = pwrite(f->fd, p + w, k - w, (off_t)(t->dst + in + w));
+                    if (r < 0 && errno == EINTR)
+                        continue;
+                    if (r <= 0) {
+                        ferr(f, KVS_ERR_IO, "write failed: %s", strerror(errno));
+                        return 0;
+                    }
+                    w += (size_t)r;
+                }
+            }
+        }
+        p += k;
+        left -= k;
+        f->pos += k;
+        t->got += k;
+        f->st->data_bytes += k;
+        f->done_bytes += k;
+        if (in + k == t->bytes) {
+            if (tensor_finish(f, t) != KVS_OK)
+                return 0;
+            f->cur++;
+        }
+    }
+    f->received += n;
+    progress(f, false);
+    return n;
+}
+
+/* GET bytes [first, last] of the source into the given sink. */
+static kvs_err get_range(struct fetch *f, uint64_t first, uint64_t last, curl_write_callback sink)
+{
+    char range[64];
+    snprintf(range, sizeof range, "%" PRIu64 "-%" PRIu64, first, last);
+    f->want_first = first;
+    f->want_last = last;
+    f->checked = false;
+    f->received = 0;
+    f->err = KVS_OK;
+    f->r_etag[0] = '\0';
+    f->r_has_cr = false;
+    curl_easy_setopt(f->curl, CURLOPT_URL, f->p->url);
+    curl_easy_setopt(f->curl, CURLOPT_RANGE, range);
+    curl_easy_setopt(f->curl, CURLOPT_WRITEFUNCTION, sink);
+    curl_easy_setopt(f->curl, CURLOPT_WRITEDATA, f);
+    f->st->n_requests++;
+    CURLcode rc = curl_easy_perform(f->curl);
+    if (f->err)
+        return f->err;
+    if (rc == CURLE_PARTIAL_FILE)
+        return ferr(f, KVS_ERR_TRUNCATED, "%s: the response for bytes %s ended early (%" PRIu64 " bytes)",
+                    f->p->url, range, f->received);
+    if (rc != CURLE_OK)
+        return ferr(f, KVS_ERR_NET, "%s: %s", f->p->url, curl_easy_strerror(rc));
+    if (!check_response(f))
+        return f->err;
+    uint64_t expect = (f->r_last - f->r_first) + 1;
+    if (f->received != expect)
+        return ferr(f, KVS_ERR_TRUNCATED, "%s: got %" PRIu64 " of %" PRIu64 " bytes for range %s", f->p->url,
+                    f->received, expect, range);
+    return KVS_OK;
+}
+
+/* Reads the source header, growing the read geometrically while the parser
+ * asks for more. On success *g is parsed over f->hbuf. */
+static kvs_err fetch_header(struct fetch *f, struct kvs_gguf **g)
+{
+    uint64_t want = f->p->initial_header ? f->p->initial_header : (1u << 20);
+    f->hcap = (size_t)want;
+    f->hbuf = malloc(f->hcap);
+    if (!f->hbuf)
+        return KVS_ERR_NOMEM;
+    kvs_err err = get_range(f, 0, want - 1, sink_header);
+    if (err)
+        return err;
+    for (;;) {
+        size_t need = 0;
+        char msg[256] = "";
+        err = kvs_gguf_parse(f->hbuf, f->hlen, f->size, g, &need, msg, sizeof msg);
+        if (err != KVS_ERR_NEED_MORE) {
+            if (err)
+                return ferr(f, KVS_ERR_FORMAT, "%s: corrupt GGUF header: %s (%s)", f->p->url, msg,
+                            kvs_strerror(err));
+            f->st->header_bytes = f->hlen;
+            return KVS_OK;
+        }
+        if (f->hlen >= f->size)
+            return ferr(f, KVS_ERR_FORMAT, "%s: corrupt GGUF header: it runs past the end of the file",
+                        f->p->url);
+        uint64_t next = (uint64_t)f->hlen * 2;
+        if (need > next)
+            next = need;
+        if (next > f->size)
+            next = f->size;
+        if (next > KVS_SHARD_MAX_HEADER)
+            return ferr(f, KVS_ERR_RANGE, "%s: GGUF header larger than %llu bytes", f->p->url,
+                        (unsigned long long)KVS_SHARD_MAX_HEADER);
+        uint8_t *nb = realloc(f->hbuf, (size_t)next);
+        if (!nb)
+            return KVS_ERR_NOMEM;
+        f->hbuf = nb;
+        f->hcap = (size_t)next;
+        err = get_range(f, f->hlen, next - 1, sink_header);
+        if (err)
+            return err;
+    }
+}
+
+static size_t sink_mem(char *data, size_t size, size_t nmemb, void *ud)
+{
+    struct fetch *f = ud;
+    size_t n = size * nmemb;
+    if (n > FETCH_MAX_INDEX - f->hlen) {
+        ferr(f, KVS_ERR_RANGE, "index document larger than %u bytes", FETCH_MAX_INDEX);
+        return 0;
+    }
+    if (f->hlen + n > f->hcap) {
+        size_t cap = f->hcap ? f->hcap : 65536;
+        while (cap < f->hlen + n)
+            cap *= 2;
+        uint8_t *nb = realloc(f->hbuf, cap);
+        if (!nb) {
+            ferr(f, KVS_ERR_NOMEM, "out of memory");
+            return 0;
+        }
+        f->hbuf = nb;
+        f->hcap = cap;
+    }
+    memcpy(f->hbuf + f->hlen, data, n);
+    f->hlen += n;
+    return n;
+}
+
+static kvs_err load_index(struct fetch *f, struct kvs_shard_index *ix)
+{
+    const char *src = f->p->index;
+    if (strncmp(src, "http://", 7) != 0 && strncmp(src, "https://", 8) != 0)
+        return kvs_shard_index_load(src, ix, f->errbuf, f->errlen);
+    /* A separate small transfer into a temporary buffer. */
+    struct fetch g = { .p = f->p, .errbuf = f->errbuf, .errlen = f->errlen, .st = f->st };
+    g.curl = curl_easy_init();
+    if (!g.curl)
+        return KVS_ERR_NOMEM;
+    curl_easy_setopt(g.curl, CURLOPT_URL, src);
+    curl_easy_setopt(g.curl, CURLOPT_FOLLOWLOCATION, 1L);
+    curl_easy_setopt(g.curl, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(g.curl, CURLOPT_CONNECTTIMEOUT, 10L);
+    curl_easy_setopt(g.curl, CURLOPT_WRITEFUNCTION, sink_mem);
+    curl_easy_setopt(g.curl, CURLOPT_WRITEDATA, &g);
+    CURLcode rc = curl_easy_perform(g.curl);
+    long code = 0;
+    curl_easy_getinfo(g.curl, CURLINFO_RESPONSE_CODE, &code);
+    curl_easy_cleanup(g.curl);
+    kvs_err err = g.err;
+    if (!err && rc != CURLE_OK)
+        err = kvs_shard__err(KVS_ERR_NET, f->errbuf, f->errlen, "%s: %s", src, curl_easy_strerror(rc));
+    if (!err && code != 200)
+        err = kvs_shard__err(KVS_ERR_NET, f->errbuf, f->errlen, "%s: HTTP %ld", src, code);
+    if (!err)
+        err = kvs_shard_index_parse((const char *)g.hbuf, g.hlen, ix, f->errbuf, f->errlen);
+    free(g.hbuf);
+    return err;
+}
+
+/* Matches the window's tensors to the index: same model, same places. */
+static kvs_err bind_index(struct fetch *f, const struct kvs_gguf *g, const struct kvs_shard_index *ix)
+{
+    uint8_t fp[32];
+    char hex[65];
+    kvs_err err = kvs_gguf_fingerprint(g, fp);
+    if (err)
+        return ferr(f, err, "cannot fingerprint the source header");
+    kvs_gguf_fingerprint_hex(fp, hex);
+    if (strcmp(hex, ix->fingerprint) != 0 || ix->file_size != f->size)
+        return ferr(f, KVS_ERR_MISMATCH, "the index describes another file (fingerprint %.16s..., %" PRIu64
+                    " bytes) than %s (%.16s..., %" PRIu64 " bytes)", ix->fingerprint, ix->file_size, f->p->url,
+                    hex, f->size);
+    for (size_t i = 0; i < f->nt; i++) {
+        const struct kvs_shard_index_entry *e = kvs_shard_index_find(ix, f->t[i].name);
+        if (!e || e->offset != f->t[i].src || e->size != f->t[i].bytes)
+            return ferr(f, KVS_ERR_MISMATCH, "index entry of tensor '%s' is %s", f->t[i].name,
+                        e ? "at another offset/size" : "missing");
+        f->t[i].ix = e;
+    }
+    return KVS_OK;
+}
+
+static kvs_err write_all_at(struct fetch *f, int fd, const uint8_t *p, size_t n, uint64_t off)
+{
+    while (n) {
+        ssize_t r = pwrite(fd, p, n, (off_t)off);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return ferr(f, KVS_ERR_IO, "write failed: %s", strerror(errno));
+        p += r;
+        n -= (size_t)r;
+        off += (uint64_t)r;
+    }
+    return KVS_OK;
+}
+
+kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard_fetch_stats *stats,
+                        char *errbuf, size_t errlen)
+{
+    struct kvs_shard_fetch_stats st_local;
+    struct kvs_shard_fetch_stats *st = stats ? stats : &st_local;
+    memset(st, 0, sizeof *st);
+    if (!p || !p->url || !p->out_path || p->begin >= p->end)
+        return kvs_shard__err(KVS_ERR_ARG, errbuf, errlen, "fetch needs a URL, an output path and a window");
+    struct fetch f = { .p = p, .st = st, .errbuf = errbuf, .errlen = errlen, .fd = -1 };
+    struct kvs_gguf *g = NULL, *check = NULL;
+    struct kvs_gguf_writer *w = NULL;
+    struct kvs_shard_index ix = { 0 };
+    size_t *idx = NULL, nidx = 0;
+    uint8_t(*sha)[32] = NULL;
+    uint8_t *hdr = NULL;
+    size_t hdr_len = 0;
+    char part[4096];
+    bool drop_work = false; /* remove .part/.state on failure: they can't be resumed */
+    kvs_err err = KVS_OK;
+
+    if (snprintf(part, sizeof part, "%s.part", p->out_path) >= (int)sizeof part - 8)
+        return kvs_shard__err(KVS_ERR_ARG, errbuf, errlen, "output path too long");
+    f.state_path = malloc(strlen(part) + 8);
+    if (!f.state_path)
+        return KVS_ERR_NOMEM;
+    snprintf(f.state_path, strlen(part) + 8, "%s.state", part);
+    if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
+        free(f.state_path);
+        return kvs_shard__err(KVS_ERR_NET, errbuf, errlen, "curl_global_init failed");
+    }
+    f.curl = curl_easy_init();
+    f.md = EVP_MD_CTX_new();
+    if (!f.curl || !f.md) {
+        err = KVS_ERR_NOMEM;
+        goto fail;
+    }
+    curl_easy_setopt(f.curl, CURLOPT_FOLLOWLOCATION, 1L);
+    curl_easy_setopt(f.curl, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(f.curl, CURLOPT_CONNECTTIMEOUT, 10L);
+    curl_easy_setopt(f.curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
+    curl_easy_setopt(f.curl, CURLOPT_LOW_SPEED_TIME, 60L);
+    curl_easy_setopt(f.curl, CURLOPT_BUFFERSIZE, 512L * 1024);
+    curl_easy_setopt(f.curl, CURLOPT_HEADERFUNCTION, on_header);
+    curl_easy_setopt(f.curl, CURLOPT_HEADERDATA, &f);
+    if (p->limit_rate)
+        curl_easy_setopt(f.curl, CURLOPT_MAX_RECV_SPEED_LARGE, (curl_off_t)p->limit_rate);
+
+    err = fetch_header(&f, &g);
+    if (err)
+        goto fail;
+    err = kvs_shard_check(g, p->begin, p->end, errbuf, errlen);
+    if (!err)
+        err = kvs_shard_window_tensors(g, p->begin, p->end, &idx, &nidx, errbuf, errlen);
+    if (!err)
+        err = kvs_shard__writer(g, p->begin, p->end, idx, nidx, NULL, false, &w, errbuf, errlen);
+    if (err)
+        goto fail;
+    f.nt = nidx;
+    f.t = calloc(nidx ? nidx : 1, sizeof *f.t);
+    sha = calloc(nidx ? nidx : 1, sizeof *sha);
+    if (!f.t || !sha) {
+        err = KVS_ERR_NOMEM;
+        goto fail;
+    }
+    for (size_t i = 0; i < nidx; i++) {
+        const struct kvs_gguf_tensor *t = kvs_gguf_tensor(g, idx[i]);
+        f.t[i].name = t->name;
+        f.t[i].src = kvs_gguf_data_offset(g) + t->offset;
+        f.t[i].dst = kvs_gguf_writer_tensor_offset(w, i);
+        f.t[i].bytes = t->bytes;
+        st->window_bytes += t->bytes;
+    }
+    st->n_tensors = (uint32_t)nidx;
+    if (p->index) {
+        err = load_index(&f, &ix);
+        if (!err)
+            err = bind_index(&f, g, &ix);
+        if (err)
+            goto fail;
+    }
+
+    /* Work files: resume if the state matches, else start afresh. */
+    uint64_t total = kvs_gguf_writer_total_bytes(w);
+    struct stat sb;
+    bool resume = stat(part, &sb) == 0 && (uint64_t)sb.st_size == total && state_load(&f);
+    if (!resume) {
+        for (size_t i = 0; i < nidx; i++)
+            f.t[i].done = false;
+        remove(part);
+        remove(f.state_path);
+    }
+    f.fd = open(part, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (f.fd < 0) {
+        err = ferr(&f, KVS_ERR_IO, "cannot create %s: %s", part, strerror(errno));
+        goto fail;
+    }
+    if (ftruncate(f.fd, (off_t)total) != 0) {
+        err = ferr(&f, KVS_ERR_IO, "cannot size %s: %s", part, strerror(errno));
+        goto fail;
+    }
+    for (size_t i = 0; i < nidx; i++) {
+        if (f.t[i].done) {
+            if (f.t[i].ix && memcmp(f.t[i].ix->sha256, f.t[i].sha, 32) != 0) {
+                f.t[i].done = false; /* recorded hash disagrees with the index: fetch again */
+                continue;
+            }
+            st->n_resumed++;
+            st->skipped_bytes += f.t[i].bytes;
+        } else {
+            f.total_todo += f.t[i].bytes;
+        }
+    }
+    if (resume)
+        KVS_LOGI("fetch: resuming, %u of %u tensors already done", st->n_resumed, st->n_tensors);
+    err = state_save(&f);
+    if (err)
+        goto fail;
+
+    /* Download runs of adjacent pending tensors. */
+    f.tty = p->progress < 0 && isatty(2);
+    if (p->progress < 0 && !f.tty)
+        f.tty = false;
+    f.t0_ns = f.last_print_ns = now_ns();
+    uint32_t align = kvs_gguf_alignment(g);
+    for (size_t i = 0; i < nidx;) {
+        if (f.t[i].done || f.t[i].bytes == 0) {
+            if (!f.t[i].done && kvs_shard_sha256("", 0, f.t[i].sha) == KVS_OK)
+                f.t[i].done = true;
+            i++;
+            continue;
+        }
+        size_t j = i + 1;
+        while (j < nidx && !f.t[j].done && f.t[j].bytes && f.t[j].src >= f.t[j - 1].src + f.t[j - 1].bytes &&
+               f.t[j].src - (f.t[j - 1].src + f.t[j - 1].bytes) <= align)
+            j++;
+        f.cur = i;
+        f.run_end = j;
+        f.pos = f.t[i].src;
+        err = get_range(&f, f.t[i].src, f.t[j - 1].src + f.t[j - 1].bytes - 1, sink_data);
+        if (!err && f.cur != j)
+            err = ferr(&f, KVS_ERR_TRUNCATED, "%s: response ended inside tensor '%s'", p->url, f.t[f.cur].name);
+        if (err) {
+            drop_work = err == KVS_ERR_MISMATCH;
+            state_save(&f);
+            goto fail;
+        }
+        i = j;
+    }
+    progress(&f, true);
+
+    /* The final header, with the real tensors digest, over the placeholder. */
+    for (size_t i = 0; i < nidx; i++)
+        memcpy(sha[i], f.t[i].sha, 32);
+    kvs_gguf_writer_free(w);
+    w = NULL;
+    err = kvs_shard__writer(g, p->begin, p->end, idx, nidx, (const uint8_t(*)[32])sha, false, &w, errbuf, errlen);
+    if (err)
+        goto fail;
+    err = kvs_gguf_writer_header(w, &hdr, &hdr_len);
+    if (err || kvs_gguf_writer_total_bytes(w) != total) {
+        err = err ? err : KVS_ERR_INTERNAL;
+        goto fail;
+    }
+    err = write_all_at(&f, f.fd, hdr, hdr_len, 0);
+    if (err)
+        goto fail;
+    if (fsync(f.fd) != 0) {
+        err = ferr(&f, KVS_ERR_IO, "fsync %s: %s", part, strerror(errno));
+        goto fail;
+    }
+    close(f.fd);
+    f.fd = -1;
+    /* The result must open and serve the window before it gets its name. */
+    char msg[256] = "";
+    err = kvs_gguf_open(part, &check, msg, sizeof msg);
+    if (err) {
+        err = ferr(&f, KVS_ERR_INTERNAL, "the fetched shard does not open: %s", msg);
+        drop_work = true;
+        goto fail;
+    }
+    err = kvs_shard_check(check, p->begin, p->end, errbuf, errlen);
+    if (err) {
+        drop_work = true;
+        goto fail;
+    }
+    if (rename(part, p->out_path) != 0) {
+        err = ferr(&f, KVS_ERR_IO, "cannot rename %s: %s", part, strerror(errno));
+        goto fail;
+    }
+    remove(f.state_path);
+    st->verified = p->index != NULL;
+fail:
+    if (err && drop_work) {
+        remove(part);
+        remove(f.state_path);
+    }
+    kvs_gguf_close(check);
+    if (f.fd >= 0)
+        close(f.fd);
+    free(hdr);
+    kvs_gguf_writer_free(w);
+    kvs_shard_index_free(&ix);
+    kvs_gguf_close(g);
+    free(f.hbuf);
+    free(f.t);
+    free(sha);
+    free(idx);
+    EVP_MD_CTX_free(f.md);
+    if (f.curl)
+        curl_easy_cleanup(f.curl);
+    curl_global_cleanup();
+    free(f.state_path);
+    return err;
+}
