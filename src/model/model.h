@@ -86,7 +86,8 @@ struct kvs_batch {
     const float *embd;      /* [n_tokens][n_embd] boundary input; required iff no embedding */
     const int32_t *seq;     /* [n_tokens] sequence slot, 0..n_seq-1 */
     const int32_t *pos;     /* [n_tokens] position within the sequence */
-    const int8_t *logits;   /* [n_tokens] nonzero: output logits for this row (tail only) */
+    const int8_t *logits;   /* [n_tokens] nonzero: output logits for this row (tail only);
+                             * NULL: only the last row */
 };
 
 /* Runs the window on a batch. Output:
@@ -95,10 +96,17 @@ struct kvs_batch {
  *  - otherwise: out = [n_tokens][n_embd] F32 boundary (hidden state after
  *    the window's last block).
  * Errors: KVS_ERR_RANGE (position past n_ctx, seq out of range, token id out
- * of vocabulary, n_tokens > n_batch), KVS_ERR_ARG (missing inputs). */
+ * of vocabulary, n_tokens > n_batch, positions that do not continue the
+ * sequence), KVS_ERR_ARG (missing inputs). On error nothing has changed.
+ * Not thread-safe: one forward at a time per model (it owns the pool). */
 kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float *out);
 
 /* Forget sequence `seq`'s cache (positions restart at 0). */
 void kvs_model_seq_clear(struct kvs_model *m, int32_t seq);
+
+/* Positions cached for `seq` (the pos its next token must have), or -1 if
+ * seq is out of range. A batch may also restart a sequence at any pos <= this
+ * value: the cache is then truncated to pos. */
+int32_t kvs_model_seq_len(const struct kvs_model *m, int32_t seq);
 
 #endif

@@ -1,0 +1,197 @@
+/* Hyperparameters of the supported architectures from `<arch>.*` metadata
+ * (keys, types and defaults: ../shared/docs/gguf-facts.md §3.2). */
+#include "model/model.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+/* Upper bounds on dimensions read from an untrusted file: far above any real
+ * model, low enough that products of them fit comfortably in size_t. */
+#define HP_MAX_DIM (1u << 20)     /* n_embd, n_ff, head_dim */
+#define HP_MAX_HEADS 4096u
+#define HP_MAX_BLOCKS 4096u
+#define HP_MAX_EXPERTS 4096u
+#define HP_MAX_VOCAB (1u << 24)
+
+static const char *const arch_names[KVS_ARCH_COUNT_] = { "llama", "qwen2", "qwen3", "qwen3moe" };
+
+static void set_err(char *errbuf, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void set_err(char *errbuf, size_t errlen, const char *fmt, ...)
+{
+    if (!errbuf || !errlen) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(errbuf, errlen, fmt, ap);
+    va_end(ap);
+}
+
+/* Reads `<arch>.<suffix>` as u32. Missing keys give def when optional. */
+static kvs_err get_u32(const struct kvs_gguf *g, const char *arch, const char *suffix, bool required,
+                       uint32_t def, uint32_t *out, char *errbuf, size_t errlen)
+{
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    kvs_err e = kvs_gguf_get_u32(g, key, out);
+    if (e == KVS_ERR_NOT_FOUND && !required) {
+        *out = def;
+        return KVS_OK;
+    }
+    if (e != KVS_OK)
+        set_err(errbuf, errlen, "key '%s': %s", key,
+                e == KVS_ERR_NOT_FOUND ? "required but absent" : "wrong type (expected UINT32)");
+    return e;
+}
+
+static kvs_err get_f32(const struct kvs_gguf *g, const char *arch, const char *suffix, bool required, float def,
+                       float *out, char *errbuf, size_t errlen)
+{
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    kvs_err e = kvs_gguf_get_f32(g, key, out);
+    if (e == KVS_ERR_NOT_FOUND && !required) {
+        *out = def;
+        return KVS_OK;
+    }
+    if (e != KVS_OK)
+        set_err(errbuf, errlen, "key '%s': %s", key,
+                e == KVS_ERR_NOT_FOUND ? "required but absent" : "wrong type (expected FLOAT32)");
+    return e;
+}
+
+static kvs_err check_range(const char *what, uint32_t v, uint32_t lo, uint32_t hi, char *errbuf, size_t errlen)
+{
+    if (v < lo || v > hi) {
+        set_err(errbuf, errlen, "%s = %u is out of range [%u, %u]", what, v, lo, hi);
+        return KVS_ERR_RANGE;
+    }
+    return KVS_OK;
+}
+
+kvs_err kvs_hparams_read(const struct kvs_gguf *g, struct kvs_hparams *hp, char *errbuf, size_t errlen)
+{
+    if (!g || !hp) return KVS_ERR_ARG;
+    memset(hp, 0, sizeof *hp);
+    const char *s;
+    size_t len;
+    kvs_err e = kvs_gguf_get_str(g, "general.architecture", &s, &len);
+    if (e != KVS_OK) {
+        set_err(errbuf, errlen, "key 'general.architecture': %s", e == KVS_ERR_NOT_FOUND ? "absent" : "not a string");
+        return e;
+    }
+    int arch = -1;
+    for (int i = 0; i < KVS_ARCH_COUNT_; i++)
+        if (strlen(arch_names[i]) == len && !memcmp(arch_names[i], s, len)) arch = i;
+    if (arch < 0) {
+        set_err(errbuf, errlen, "architecture '%.*s' is not supported (llama, qwen2, qwen3, qwen3moe)",
+                (int)(len > 64 ? 64 : len), s);
+        return KVS_ERR_UNSUPPORTED;
+    }
+    hp->arch = (enum kvs_arch)arch;
+    snprintf(hp->arch_name, sizeof hp->arch_name, "%s", arch_names[arch]);
+    const char *a = hp->arch_name;
+
+#define U32(suffix, req, def, dst)                                                                                    \
+    do {                                                                                                               \
+        if ((e = get_u32(g, a, suffix, req, def, dst, errbuf, errlen)) != KVS_OK) return e;                            \
+    } while (0)
+    U32("block_count", true, 0, &hp->n_block);
+    U32("embedding_length", true, 0, &hp->n_embd);
+    U32("attention.head_count", true, 0, &hp->n_head);
+    U32("context_length", true, 0, &hp->n_ctx_train);
+    if ((e = check_range("block_count", hp->n_block, 1, HP_MAX_BLOCKS, errbuf, errlen))) return e;
+    if ((e = check_range("embedding_length", hp->n_embd, 1, HP_MAX_DIM, errbuf, errlen))) return e;
+    if ((e = check_range("attention.head_count", hp->n_head, 1, HP_MAX_HEADS, errbuf, errlen))) return e;
+    if ((e = check_range("context_length", hp->n_ctx_train, 1, UINT32_MAX, errbuf, errlen))) return e;
+    U32("attention.head_count_kv", false, hp->n_head, &hp->n_head_kv);
+    if ((e = check_range("attention.head_count_kv", hp->n_head_kv, 1, hp->n_head, errbuf, errlen))) return e;
+    if (hp->n_head % hp->n_head_kv) {
+        set_err(errbuf, errlen, "head_count %u is not a multiple of head_count_kv %u", hp->n_head, hp->n_head_kv);
+        return KVS_ERR_FORMAT;
+    }
+    U32("attention.key_length", false, hp->n_embd / hp->n_head, &hp->head_dim);
+    if ((e = check_range("attention.key_length", hp->head_dim, 2, HP_MAX_DIM, errbuf, errlen))) return e;
+    uint32_t vlen;
+    U32("attention.value_length", false, hp->head_dim, &vlen);
+    if (vlen != hp->head_dim) {
+        set_err(errbuf, errlen, "value_length %u != key_length %u is not supported", vlen, hp->head_dim);
+        return KVS_ERR_UNSUPPORTED;
+    }
+    U32("rope.dimension_count", false, hp->head_dim, &hp->n_rot);
+    if ((e = check_range("rope.dimension_count", hp->n_rot, 2, hp->head_dim, errbuf, errlen))) return e;
+    if (hp->n_rot % 2 || hp->head_dim % 2) {
+        set_err(errbuf, errlen, "rope.dimension_count %u / key_length %u must be even", hp->n_rot, hp->head_dim);
+        return KVS_ERR_FORMAT;
+    }
+    U32("expert_count", false, 0, &hp->n_expert);
+    if (hp->arch == KVS_ARCH_QWEN3MOE && hp->n_expert == 0) {
+        set_err(errbuf, errlen, "qwen3moe without %s.expert_count", a);
+        return KVS_ERR_FORMAT;
+    }
+    if (hp->arch != KVS_ARCH_QWEN3MOE && hp->n_expert != 0) {
+        set_err(errbuf, errlen, "mixture-of-experts %s models are not supported", a);
+        return KVS_ERR_UNSUPPORTED;
+    }
+    U32("feed_forward_length", hp->n_expert == 0, 0, &hp->n_ff);
+    if (hp->n_expert == 0) {
+        if ((e = check_range("feed_forward_length", hp->n_ff, 1, HP_MAX_DIM, errbuf, errlen))) return e;
+    } else {
+        if ((e = check_range("expert_count", hp->n_expert, 1, HP_MAX_EXPERTS, errbuf, errlen))) return e;
+        U32("expert_used_count", true, 0, &hp->n_expert_used);
+        if ((e = check_range("expert_used_count", hp->n_expert_used, 1, hp->n_expert, errbuf, errlen))) return e;
+        U32("expert_feed_forward_length", false, hp->n_ff / hp->n_expert_used, &hp->n_ff_exp);
+        if ((e = check_range("expert_feed_forward_length", hp->n_ff_exp, 1, HP_MAX_DIM, errbuf, errlen))) return e;
+    }
+#undef U32
+    if ((e = get_f32(g, a, "attention.layer_norm_rms_epsilon", true, 0, &hp->rms_eps, errbuf, errlen))) return e;
+    if (!(hp->rms_eps >= 0.0f && hp->rms_eps < 1.0f)) {
+        set_err(errbuf, errlen, "layer_norm_rms_epsilon %g is out of range", (double)hp->rms_eps);
+        return KVS_ERR_RANGE;
+    }
+    if ((e = get_f32(g, a, "rope.freq_base", false, 10000.0f, &hp->rope_freq_base, errbuf, errlen))) return e;
+    if (!(hp->rope_freq_base > 0.0f)) {
+        set_err(errbuf, errlen, "rope.freq_base %g must be positive", (double)hp->rope_freq_base);
+        return KVS_ERR_RANGE;
+    }
+    float factor;
+    if ((e = get_f32(g, a, "rope.scaling.factor", false, 0.0f, &factor, errbuf, errlen))) return e;
+    if (factor == 0.0f && (e = get_f32(g, a, "rope.scale_linear", false, 0.0f, &factor, errbuf, errlen))) return e;
+    hp->rope_freq_scale = factor > 0.0f ? 1.0f / factor : 1.0f;
+
+    char key[128];
+    snprintf(key, sizeof key, "%s.rope.scaling.type", a);
+    if (kvs_gguf_get_str(g, key, &s, &len) == KVS_OK) {
+        bool ok = (len == 4 && !memcmp(s, "none", 4)) || (len == 6 && !memcmp(s, "linear", 6));
+        if (!ok) {
+            set_err(errbuf, errlen, "rope scaling '%.*s' is not supported (none, linear)", (int)(len > 32 ? 32 : len),
+                    s);
+            return KVS_ERR_UNSUPPORTED;
+        }
+        if (len == 4) hp->rope_freq_scale = 1.0f;
+    }
+    hp->rope_neox = hp->arch != KVS_ARCH_LLAMA;
+
+    /* Vocabulary: the explicit key, else the token list, else the shape of
+     * the embedding (tensor infos only: no data is touched). */
+    snprintf(key, sizeof key, "%s.vocab_size", a);
+    uint32_t nv = 0;
+    e = kvs_gguf_get_u32(g, key, &nv);
+    if (e == KVS_ERR_NOT_FOUND) {
+        int64_t ki = kvs_gguf_find_key(g, "tokenizer.ggml.tokens");
+        if (ki >= 0 && kvs_gguf_kv_type(g, (size_t)ki) == KVS_GGUF_TYPE_ARRAY) {
+            uint64_t n = kvs_gguf_arr_n(g, (size_t)ki);
+            nv = n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
+        } else {
+            const struct kvs_gguf_tensor *t = kvs_gguf_find_tensor(g, "token_embd.weight");
+            if (!t) t = kvs_gguf_find_tensor(g, "output.weight");
+            if (t && t->ne[1] > 0 && t->ne[1] <= UINT32_MAX) nv = (uint32_t)t->ne[1];
+        }
+    } else if (e != KVS_OK) {
+        set_err(errbuf, errlen, "key '%s': wrong type (expected UINT32)", key);
+        return e;
+    }
+    if ((e = check_range("vocabulary size", nv, 1, HP_MAX_VOCAB, errbuf, errlen))) return e;
+    hp->n_vocab = nv;
+    hp->tied_output = kvs_gguf_find_tensor(g, "output.weight") == NULL;
+    return KVS_OK;
+}

@@ -1,0 +1,453 @@
+/* Model forward pass against llama.cpp's reference outputs
+ * (the .ref.json files in ../shared/models, bar from ../shared/models/README.md), plus
+ * the batching and window invariants the ring relies on. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/model.h"
+
+struct ref {
+    int32_t *tok;     /* prompt + generated */
+    int32_t n_prompt, n_tok;
+    int32_t (*top_id)[8];
+    double (*top_p)[8];
+};
+
+static const char *shared_dir(void)
+{
+    const char *s = getenv("KVASIR_SHARED");
+    return s && *s ? s : "../shared";
+}
+
+static void ref_load(const char *name, struct ref *r)
+{
+    char path[1024];
+    snprintf(path, sizeof path, "%s/models/%s.ref.json", shared_dir(), name);
+    json_error_t jerr;
+    json_t *root = json_load_file(path, 0, &jerr);
+    if (!root) fail_msg("cannot read %s: %s", path, jerr.text);
+    json_t *pr = json_object_get(root, "prompt"), *ge = json_object_get(root, "generated");
+    json_t *po = json_object_get(root, "positions");
+    assert_true(json_is_array(pr) && json_is_array(ge) && json_is_array(po));
+    r->n_prompt = (int32_t)json_array_size(pr);
+    r->n_tok = r->n_prompt + (int32_t)json_array_size(ge);
+    assert_int_equal(json_array_size(po), (size_t)r->n_tok);
+    r->tok = calloc((size_t)r->n_tok, sizeof *r->tok);
+    r->top_id = calloc((size_t)r->n_tok, sizeof *r->top_id);
+    r->top_p = calloc((size_t)r->n_tok, sizeof *r->top_p);
+    assert_non_null(r->tok);
+    for (int32_t i = 0; i < r->n_tok; i++) {
+        json_t *v = i < r->n_prompt ? json_array_get(pr, (size_t)i) : json_array_get(ge, (size_t)(i - r->n_prompt));
+        r->tok[i] = (int32_t)json_integer_value(v);
+        json_t *p = json_array_get(po, (size_t)i);
+        assert_int_equal(json_integer_value(json_object_get(p, "pos")), i);
+        json_t *top = json_object_get(p, "top");
+        assert_int_equal(json_array_size(top), 8);
+        for (int j = 0; j < 8; j++) {
+            json_t *pair = json_array_get(top, (size_t)j);
+            r->top_id[i][j] = (int32_t)json_integer_value(json_array_get(pair, 0));
+            r->top_p[i][j] = json_number_value(json_array_get(pair, 1));
+        }
+    }
+    json_decref(root);
+}
+
+static void ref_free(struct ref *r)
+{
+    free(r->tok);
+    free(r->top_id);
+    free(r->top_p);
+}
+
+static struct kvs_gguf *open_model(const char *name)
+{
+    char path[1024], err[256] = "";
+    snprintf(path, sizeof path, "%s/models/%s.gguf", shared_dir(), name);
+    struct kvs_gguf *g = NULL;
+    kvs_err e = kvs_gguf_open(path, &g, err, sizeof err);
+    if (e) fail_msg("open %s: %s (%s)", path, kvs_strerror(e), err);
+    return g;
+}
+
+static struct kvs_model *load(const struct kvs_gguf *g, int32_t begin, int32_t end, int32_t n_seq, int32_t n_batch)
+{
+    struct kvs_model_params p = kvs_model_default_params();
+    p.block_begin = begin;
+    p.block_end = end;
+    p.n_ctx = 128;
+    p.n_seq = n_seq;
+    p.n_batch = n_batch;
+    p.n_threads = 2;
+    struct kvs_model *m = NULL;
+    char err[256] = "";
+    kvs_err e = kvs_model_load(g, &p, &m, err, sizeof err);
+    if (e) fail_msg("load: %s (%s)", kvs_strerror(e), err);
+    return m;
+}
+
+/* Full softmax in double: p[v] for one logits row. */
+static void softmax(const float *l, int32_t n, double *p)
+{
+    double mx = -INFINITY, sum = 0.0;
+    for (int32_t i = 0; i < n; i++) mx = l[i] > mx ? l[i] : mx;
+    for (int32_t i = 0; i < n; i++) sum += p[i] = exp((double)l[i] - mx);
+    for (int32_t i = 0; i < n; i++) p[i] /= sum;
+}
+
+/* Teacher-forced evaluation of the reference tokens in one batch. */
+static void check_ref(const char *name, bool f32)
+{
+    struct ref r;
+    ref_load(name, &r);
+    struct kvs_gguf *g = open_model(name);
+    struct kvs_model *m = load(g, 0, -1, 1, r.n_tok);
+    const int32_t V = (int32_t)kvs_model_hparams(m)->n_vocab;
+    float *logits = malloc((size_t)r.n_tok * (size_t)V * sizeof(float));
+    double *p = malloc((size_t)V * sizeof(double));
+    int32_t *seq = calloc((size_t)r.n_tok, sizeof(int32_t)), *pos = malloc((size_t)r.n_tok * sizeof(int32_t));
+    int8_t *want = malloc((size_t)r.n_tok);
+    assert_true(logits && p && seq && pos && want);
+    for (int32_t i = 0; i < r.n_tok; i++) pos[i] = i, want[i] = 1;
+    struct kvs_batch b = { .n_tokens = r.n_tok, .token = r.tok, .seq = seq, .pos = pos, .logits = want };
+    assert_int_equal(kvs_model_forward(m, &b, logits), KVS_OK);
+    int32_t agree = 0;
+    double maxd = 0.0;
+    for (int32_t i = 0; i < r.n_tok; i++) {
+        const float *l = logits + (size_t)i * (size_t)V;
+        softmax(l, V, p);
+        int32_t arg = 0;
+        for (int32_t v = 1; v < V; v++)
+            if (l[v] > l[arg]) arg = v;
+        if (arg == r.top_id[i][0])
+            agree++;
+        else
+            fprintf(stderr, "  %s pos %d: top-1 %d (p %.4f), reference %d (p %.4f)\n", name, (int)i, (int)arg,
+                    p[arg], (int)r.top_id[i][0], r.top_p[i][0]);
+        double pd = 0.0;
+        for (int j = 0; j < 8; j++) {
+            double d = fabs(p[r.top_id[i][j]] - r.top_p[i][j]);
+            if (d > pd) pd = d;
+        }
+        if (pd > maxd) maxd = pd;
+        if (getenv("KVS_TEST_VERBOSE")) fprintf(stderr, "  %s pos %d: max |dp| %.4g\n", name, (int)i, pd);
+    }
+    printf("%-16s positions %3d  top-1 agreement %3d/%3d (%.1f%%)  max |dp| %.3g\n", name, (int)r.n_tok, (int)agree,
+           (int)r.n_tok, 100.0 * agree / r.n_tok, maxd);
+    fflush(stdout);
+    if (f32) {
+        assert_int_equal(agree, r.n_tok);
+        assert_true(maxd <= 5e-3);
+    } else {
+        assert_true(agree * 10 >= r.n_tok * 9);
+        assert_true(maxd <= 0.05);
+    }
+    free(logits);
+    free(p);
+    free(seq);
+    free(pos);
+    free(want);
+    kvs_model_free(m);
+    kvs_gguf_close(g);
+    ref_free(&r);
+}
+
+static void test_ref_aidreams260K(void **st) { (void)st; check_ref("aidreams260K", true); }
+static void test_ref_llama_f32(void **st) { (void)st; check_ref("llama-f32", true); }
+static void test_ref_llama_mixed(void **st) { (void)st; check_ref("llama-mixed", false); }
+static void test_ref_llama_q2_k(void **st) { (void)st; check_ref("llama-q2_k", false); }
+static void test_ref_llama_q4_k_m(void **st) { (void)st; check_ref("llama-q4_k_m", false); }
+static void test_ref_llama_q5_k_m(void **st) { (void)st; check_ref("llama-q5_k_m", false); }
+static void test_ref_qwen2_mixed(void **st) { (void)st; check_ref("qwen2-mixed", false); }
+static void test_ref_qwen3_q8_0(void **st) { (void)st; check_ref("qwen3-q8_0", false); }
+static void test_ref_qwen3moe_mixed(void **st) { (void)st; check_ref("qwen3moe-mixed", false); }
+
+/* Greedy generation on aidreams260K: prefill the prompt, then one token per
+ * forward; must reproduce the reference continuation (60 tokens). */
+static void test_greedy_aidreams(void **st)
+{
+    (void)st;
+    struct ref r;
+    ref_load("aidreams260K", &r);
+    assert_int_equal(r.n_tok - r.n_prompt, 60);
+    struct kvs_gguf *g = open_model("aidreams260K");
+    struct kvs_model *m = load(g, 0, -1, 1, 64);
+    const int32_t V = (int32_t)kvs_model_hparams(m)->n_vocab;
+    assert_int_equal(V, 512);
+    float *logits = malloc((size_t)V * sizeof(float));
+    int32_t seq[64] = { 0 }, pos[64];
+    for (int32_t i = 0; i < 64; i++) pos[i] = i;
+    /* logits NULL: only the last row. */
+    struct kvs_batch b = { .n_tokens = r.n_prompt, .token = r.tok, .seq = seq, .pos = pos };
+    assert_int_equal(kvs_model_forward(m, &b, logits), KVS_OK);
+    for (int32_t i = 0; i < 60; i++) {
+        int32_t arg = 0;
+        for (int32_t v = 1; v < V; v++)
+            if (logits[v] > logits[arg]) arg = v;
+        assert_int_equal(arg, r.tok[r.n_prompt + i]);
+        int32_t p = r.n_prompt + i;
+        int8_t one = 1;
+        struct kvs_batch d = { .n_tokens = 1, .token = &arg, .seq = seq, .pos = &p, .logits = &one };
+        assert_int_equal(kvs_model_forward(m, &d, logits), KVS_OK);
+    }
+    assert_int_equal(kvs_model_seq_len(m, 0), r.n_tok);
+    free(logits);
+    kvs_model_free(m);
+    kvs_gguf_close(g);
+    ref_free(&r);
+}
+
+static double max_rel_diff(const float *a, const float *b, size_t n)
+{
+    double scale = 1e-6, d = 0.0;
+    for (size_t i = 0; i < n; i++) scale = fmax(scale, fabs((double)a[i]));
+    for (size_t i = 0; i < n; i++) d = fmax(d, fabs((double)a[i] - (double)b[i]));
+    return d / scale;
+}
+
+/* The same tokens as one prefill batch, one token at a time, and interleaved
+ * with a second sequence in one batch give the same logits. */
+static void check_batching(const char *name)
+{
+    struct ref r;
+    ref_load(name, &r);
+    enum { N = 12 };
+    assert_true(r.n_tok >= 2 * N);
+    struct kvs_gguf *g = open_model(name);
+    struct kvs_model *m = load(g, 0, -1, 2, 2 * N);
+    const int32_t V = (int32_t)kvs_model_hparams(m)->n_vocab;
+    float *full = malloc((size_t)N * (size_t)V * sizeof(float));
+    float *one = malloc((size_t)N * (size_t)V * sizeof(float));
+    float *mix = malloc((size_t)2 * N * (size_t)V * sizeof(float));
+    float *ref1 = malloc((size_t)N * (size_t)V * sizeof(float));
+    assert_true(full && one && mix && ref1);
+    int32_t seq[2 * N], pos[2 * N], tok[2 * N];
+    int8_t want[2 * N];
+    const int32_t *t0 = r.tok, *t1 = r.tok + N; /* two different token streams */
+
+    for (int32_t i = 0; i < N; i++) seq[i] = 0, pos[i] = i, want[i] = 1;
+    struct kvs_batch b = { .n_tokens = N, .token = t0, .seq = seq, .pos = pos, .logits = want };
+    assert_int_equal(kvs_model_forward(m, &b, full), KVS_OK);
+    /* Sequence 1 alone, as reference for the interleaved run. */
+    for (int32_t i = 0; i < N; i++) seq[i] = 1;
+    b.token = t1;
+    assert_int_equal(kvs_model_forward(m, &b, ref1), KVS_OK);
+
+    kvs_model_seq_clear(m, 0);
+    for (int32_t i = 0; i < N; i++) {
+        int32_t s = 0, p = i;
+        int8_t w = 1;
+        struct kvs_batch d = { .n_tokens = 1, .token = &t0[i], .seq = &s, .pos = &p, .logits = &w };
+        assert_int_equal(kvs_model_forward(m, &d, one + (size_t)i * (size_t)V), KVS_OK);
+    }
+    double d1 = max_rel_diff(full, one, (size_t)N * (size_t)V);
+
+    /* Interleaved: the first 4 tokens of each sequence as a batch, then the
+     * rest of both sequences alternating in one batch. */
+    kvs_model_seq_clear(m, 0);
+    kvs_model_seq_clear(m, 1);
+    int32_t n = 0;
+    for (int32_t i = 0; i < 4; i++) tok[n] = t0[i], seq[n] = 0, pos[n] = i, want[n++] = 1;
+    for (int32_t i = 0; i < 4; i++) tok[n] = t1[i], seq[n] = 1, pos[n] = i, want[n++] = 1;
+    b = (struct kvs_batch){ .n_tokens = n, .token = tok, .seq = seq, .pos = pos, .logits = want };
+    assert_int_equal(kvs_model_forward(m, &b, mix), KVS_OK);
+    int32_t n2 = 0;
+    for (int32_t i = 4; i < N; i++) {
+        tok[n2] = t1[i], seq[n2] = 1, pos[n2] = i, want[n2++] = 1;
+        tok[n2] = t0[i], seq[n2] = 0, pos[n2] = i, want[n2++] = 1;
+    }
+    b.n_tokens = n2;
+    assert_int_equal(kvs_model_forward(m, &b, mix + (size_t)n * (size_t)V), KVS_OK);
+    double d2 = 0.0;
+    for (int32_t i = 0; i < N; i++) {
+        /* Row of seq 0 / seq 1 token i in mix. */
+        size_t r0 = i < 4 ? (size_t)i : (size_t)(n + 2 * (i - 4) + 1);
+        size_t r1 = i < 4 ? (size_t)(4 + i) : (size_t)(n + 2 * (i - 4));
+        d2 = fmax(d2, max_rel_diff(full + (size_t)i * V, mix + r0 * V, (size_t)V));
+        d2 = fmax(d2, max_rel_diff(ref1 + (size_t)i * V, mix + r1 * V, (size_t)V));
+    }
+    printf("%-16s batch vs single: max rel diff %.3g; interleaved 2 seqs: %.3g\n", name, d1, d2);
+    assert_true(d1 <= 1e-4);
+    assert_true(d2 <= 1e-4);
+    free(full);
+    free(one);
+    free(mix);
+    free(ref1);
+    kvs_model_free(m);
+    kvs_gguf_close(g);
+    ref_free(&r);
+}
+
+static void test_batching_aidreams(void **st) { (void)st; check_batching("aidreams260K"); }
+static void test_batching_qwen3moe(void **st) { (void)st; check_batching("qwen3moe-mixed"); }
+
+/* Windows [0, a) then [a, n) over the boundary equal the full window. */
+static void check_window(const char *name, int32_t a)
+{
+    struct ref r;
+    ref_load(name, &r);
+    const int32_t N = r.n_tok < 20 ? r.n_tok : 20;
+    struct kvs_gguf *g = open_model(name);
+    struct kvs_model *full = load(g, 0, -1, 1, N);
+    struct kvs_model *w0 = load(g, 0, a, 1, N);
+    struct kvs_model *w1 = load(g, a, -1, 1, N);
+    const struct kvs_hparams *hp = kvs_model_hparams(full);
+    assert_true(kvs_model_has_embd(w0) && !kvs_model_has_head(w0));
+    assert_true(!kvs_model_has_embd(w1) && kvs_model_has_head(w1));
+    assert_int_equal(kvs_model_block_end(w0), a);
+    assert_int_equal(kvs_model_block_begin(w1), a);
+    const int32_t V = (int32_t)hp->n_vocab, E = (int32_t)hp->n_embd;
+    float *lf = malloc((size_t)N * (size_t)V * sizeof(float)), *lw = malloc((size_t)N * (size_t)V * sizeof(float));
+    float *bd = malloc((size_t)N * (size_t)E * sizeof(float));
+    int32_t seq[64] = { 0 }, pos[64];
+    int8_t want[64];
+    for (int32_t i = 0; i < N; i++) pos[i] = i, want[i] = 1;
+    /* Prefill of N-4 tokens, then 4 decode steps. */
+    const int32_t P = N - 4;
+    struct kvs_batch b = { .n_tokens = P, .token = r.tok, .seq = seq, .pos = pos, .logits = want };
+    assert_int_equal(kvs_model_forward(full, &b, lf), KVS_OK);
+    assert_int_equal(kvs_model_forward(w0, &b, bd), KVS_OK);
+    struct kvs_batch b1 = { .n_tokens = P, .embd = bd, .seq = seq, .pos = pos, .logits = want };
+    assert_int_equal(kvs_model_forward(w1, &b1, lw), KVS_OK);
+    for (int32_t i = P; i < N; i++) {
+        struct kvs_batch d = { .n_tokens = 1, .token = &r.tok[i], .seq = seq, .pos = &pos[i], .logits = want };
+        assert_int_equal(kvs_model_forward(full, &d, lf + (size_t)i * V), KVS_OK);
+        assert_int_equal(kvs_model_forward(w0, &d, bd), KVS_OK);
+        struct kvs_batch d1 = { .n_tokens = 1, .embd = bd, .seq = seq, .pos = &pos[i], .logits = want };
+        assert_int_equal(kvs_model_forward(w1, &d1, lw + (size_t)i * V), KVS_OK);
+    }
+    double d = max_rel_diff(lf, lw, (size_t)N * (size_t)V);
+    printf("%-16s window [0,%d)+[%d,n) vs [0,n): max rel diff %.3g\n", name, (int)a, (int)a, d);
+    assert_true(d <= 1e-5);
+    free(lf);
+    free(lw);
+    free(bd);
+    kvs_model_free(full);
+    kvs_model_free(w0);
+    kvs_model_free(w1);
+    kvs_gguf_close(g);
+    ref_free(&r);
+}
+
+static void test_window_aidreams(void **st) { (void)st; check_window("aidreams260K", 2); }
+static void test_window_qwen3(void **st) { (void)st; check_window("qwen3-q8_0", 1); }
+
+/* Hyperparameters of the test models (values from ../shared/models/README.md). */
+static void test_hparams(void **st)
+{
+    (void)st;
+    struct kvs_hparams hp;
+    char err[256];
+    struct kvs_gguf *g = open_model("qwen3-q8_0");
+    assert_int_equal(kvs_hparams_read(g, &hp, err, sizeof err), KVS_OK);
+    assert_int_equal(hp.arch, KVS_ARCH_QWEN3);
+    assert_int_equal(hp.n_block, 4);
+    assert_int_equal(hp.n_embd, 128);
+    assert_int_equal(hp.n_head, 4);
+    assert_int_equal(hp.n_head_kv, 2);
+    assert_int_equal(hp.head_dim, 64);
+    assert_int_equal(hp.n_ff, 384);
+    assert_true(hp.tied_output);
+    assert_true(hp.rope_neox);
+    kvs_gguf_close(g);
+    g = open_model("aidreams260K");
+    assert_int_equal(kvs_hparams_read(g, &hp, err, sizeof err), KVS_OK);
+    assert_int_equal(hp.arch, KVS_ARCH_LLAMA);
+    assert_int_equal(hp.n_block, 4);
+    assert_int_equal(hp.n_embd, 64);
+    assert_int_equal(hp.head_dim, 16);
+    assert_int_equal(hp.n_ff, 172);
+    assert_int_equal(hp.n_vocab, 512);
+    assert_int_equal(hp.n_ctx_train, 128);
+    assert_false(hp.rope_neox);
+    assert_false(hp.tied_output);
+    kvs_gguf_close(g);
+    g = open_model("qwen3moe-mixed");
+    assert_int_equal(kvs_hparams_read(g, &hp, err, sizeof err), KVS_OK);
+    assert_int_equal(hp.arch, KVS_ARCH_QWEN3MOE);
+    assert_int_equal(hp.n_expert, 8);
+    assert_int_equal(hp.n_expert_used, 2);
+    assert_int_equal(hp.n_ff_exp, 128);
+    assert_int_equal(hp.n_vocab, 50257);
+    kvs_gguf_close(g);
+}
+
+/* Bad windows and bad batches are errors that change nothing. */
+static void test_errors(void **st)
+{
+    (void)st;
+    struct kvs_gguf *g = open_model("aidreams260K");
+    struct kvs_model_params p = kvs_model_default_params();
+    struct kvs_model *m = NULL;
+    char err[256];
+    p.block_begin = 3, p.block_end = 2;
+    assert_int_equal(kvs_model_load(g, &p, &m, err, sizeof err), KVS_ERR_RANGE);
+    p.block_begin = 0, p.block_end = 5;
+    assert_int_equal(kvs_model_load(g, &p, &m, err, sizeof err), KVS_ERR_RANGE);
+    assert_null(m);
+    m = load(g, 0, -1, 2, 8);
+    assert_int_equal(kvs_model_n_ctx(m), 128);
+    assert_int_equal(kvs_model_n_seq(m), 2);
+    float *out = malloc(8 * 512 * sizeof(float));
+    int32_t tok[3] = { 1, 429, 491 }, seq[3] = { 0, 0, 0 }, pos[3] = { 0, 1, 2 };
+    struct kvs_batch b = { .n_tokens = 3, .token = tok, .seq = seq, .pos = pos };
+    pos[1] = 2; /* gap */
+    assert_int_equal(kvs_model_forward(m, &b, out), KVS_ERR_RANGE);
+    pos[1] = 1;
+    seq[2] = 2; /* no such slot */
+    assert_int_equal(kvs_model_forward(m, &b, out), KVS_ERR_RANGE);
+    seq[2] = 0;
+    tok[2] = 512; /* out of vocabulary */
+    assert_int_equal(kvs_model_forward(m, &b, out), KVS_ERR_RANGE);
+    tok[2] = 491;
+    pos[0] = 1, pos[1] = 2, pos[2] = 3; /* does not start at the cached length */
+    assert_int_equal(kvs_model_forward(m, &b, out), KVS_ERR_RANGE);
+    assert_int_equal(kvs_model_seq_len(m, 0), 0);
+    pos[0] = 0, pos[1] = 1, pos[2] = 2;
+    b.n_tokens = 9; /* > n_batch */
+    assert_int_equal(kvs_model_forward(m, &b, out), KVS_ERR_RANGE);
+    b.n_tokens = 3;
+    b.token = NULL;
+    assert_int_equal(kvs_model_forward(m, &b, out), KVS_ERR_ARG);
+    b.token = tok;
+    assert_int_equal(kvs_model_forward(m, &b, out), KVS_OK);
+    assert_int_equal(kvs_model_seq_len(m, 0), 3);
+    assert_int_equal(kvs_model_seq_len(m, 1), 0);
+    int32_t p127 = 127, s1 = 1;
+    struct kvs_batch far = { .n_tokens = 1, .token = tok, .seq = &s1, .pos = &p127 };
+    assert_int_equal(kvs_model_forward(m, &far, out), KVS_ERR_RANGE);
+    free(out);
+    kvs_model_free(m);
+    kvs_gguf_close(g);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_hparams),
+        cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_ref_aidreams260K),
+        cmocka_unit_test(test_greedy_aidreams),
+        cmocka_unit_test(test_batching_aidreams),
+        cmocka_unit_test(test_window_aidreams),
+        cmocka_unit_test(test_ref_llama_f32),
+        cmocka_unit_test(test_ref_llama_mixed),
+        cmocka_unit_test(test_ref_llama_q2_k),
+        cmocka_unit_test(test_ref_llama_q4_k_m),
+        cmocka_unit_test(test_ref_llama_q5_k_m),
+        cmocka_unit_test(test_ref_qwen2_mixed),
+        cmocka_unit_test(test_ref_qwen3_q8_0),
+        cmocka_unit_test(test_ref_qwen3moe_mixed),
+        cmocka_unit_test(test_batching_qwen3moe),
+        cmocka_unit_test(test_window_qwen3),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
