@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <openssl/sha.h>
 
 #include "gguf/gguf.h"
 
@@ -360,6 +361,144 @@ static void test_truncation_sweep(void **state)
     kvs_gguf_writer_free(w);
 }
 
+/* Byte builder for the fingerprint recipe (docs/FORMATS.md), written out
+ * field by field here, independently of the implementation. */
+struct rb {
+    uint8_t b[1024];
+    size_t n;
+};
+static void rb_put(struct rb *r, const void *p, size_t n)
+{
+    assert_true(r->n + n <= sizeof r->b);
+    memcpy(r->b + r->n, p, n);
+    r->n += n;
+}
+static void rb_u64(struct rb *r, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) {
+        uint8_t c = (uint8_t)(v >> (8 * i));
+        rb_put(r, &c, 1);
+    }
+}
+static void rb_u32(struct rb *r, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) {
+        uint8_t c = (uint8_t)(v >> (8 * i));
+        rb_put(r, &c, 1);
+    }
+}
+static void rb_str(struct rb *r, const char *s)
+{
+    rb_u64(r, strlen(s));
+    rb_put(r, s, strlen(s));
+}
+
+static struct kvs_gguf *write_and_open(struct kvs_gguf_writer *w, const char *tag)
+{
+    char path[256], err[256];
+    tmp_path(path, sizeof path, tag);
+    assert_int_equal(kvs_gguf_writer_write_file(w, path), KVS_OK);
+    struct kvs_gguf *g = NULL;
+    assert_int_equal(kvs_gguf_open(path, &g, err, sizeof err), KVS_OK);
+    unlink(path); /* the mapping stays valid */
+    return g;
+}
+
+static void test_fingerprint(void **state)
+{
+    (void)state;
+    const float z[32] = { 0 };
+    const int64_t ne_b[2] = { 4, 2 }, ne_a[1] = { 32 };
+    const char *toks[] = { "a", "b", "c" };
+
+    /* File 1: KVs and tensors in one order. */
+    struct kvs_gguf_writer *w1 = kvs_gguf_writer_create();
+    assert_int_equal(kvs_gguf_writer_set_str(w1, "general.architecture", "toy"), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_set_u32(w1, "toy.n", 5), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_set_f32(w1, "toy.eps", 0.5f), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_set_str(w1, "general.name", "one"), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_set_u32(w1, "toyx.ignored", 1), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_set_arr_str(w1, "tokenizer.ggml.tokens", toks, 3), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_add_tensor(w1, "b", KVS_TYPE_F32, 2, ne_b, z, 32), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_add_tensor(w1, "a", KVS_TYPE_Q8_0, 1, ne_a, z, 34), KVS_OK);
+    struct kvs_gguf *g1 = write_and_open(w1, "fp1");
+
+    /* File 2: other order, other general.* and non-arch keys, alignment 64. */
+    struct kvs_gguf_writer *w2 = kvs_gguf_writer_create();
+    assert_int_equal(kvs_gguf_writer_set_u32(w2, "general.alignment", 64), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_set_arr_str(w2, "tokenizer.ggml.tokens", toks, 3), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_set_f32(w2, "toy.eps", 0.5f), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_set_str(w2, "general.name", "two"), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_set_u32(w2, "toy.n", 5), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_set_str(w2, "general.architecture", "toy"), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_add_tensor(w2, "a", KVS_TYPE_Q8_0, 1, ne_a, z, 34), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_add_tensor(w2, "b", KVS_TYPE_F32, 2, ne_b, z, 32), KVS_OK);
+    struct kvs_gguf *g2 = write_and_open(w2, "fp2");
+
+    struct rb r = { .n = 0 };
+    rb_put(&r, "kvasir-fingerprint-v1", 21);
+    rb_str(&r, "toy");
+    rb_u64(&r, 2);
+    rb_str(&r, "toy.eps"); /* sorted: toy.eps < toy.n */
+    rb_u32(&r, 6);
+    uint32_t half;
+    float h = 0.5f;
+    memcpy(&half, &h, 4);
+    rb_u32(&r, half);
+    rb_str(&r, "toy.n");
+    rb_u32(&r, 4);
+    rb_u32(&r, 5);
+    rb_u64(&r, 3);         /* vocab */
+    rb_u64(&r, 2);         /* tensors */
+    rb_str(&r, "a");
+    rb_u32(&r, 8);         /* Q8_0 */
+    rb_u32(&r, 1);
+    rb_u64(&r, 32);
+    rb_str(&r, "b");
+    rb_u32(&r, 0);
+    rb_u32(&r, 2);
+    rb_u64(&r, 4);
+    rb_u64(&r, 2);
+    uint8_t want[32], f1[32], f2[32];
+    SHA256(r.b, r.n, want);
+    assert_int_equal(kvs_gguf_fingerprint(g1, f1), KVS_OK);
+    assert_int_equal(kvs_gguf_fingerprint(g2, f2), KVS_OK);
+    assert_memory_equal(f1, want, 32);
+    assert_memory_equal(f2, want, 32);
+
+    /* A shard carrying its source's fingerprint returns it. */
+    char hex[65];
+    kvs_gguf_fingerprint_hex(want, hex);
+    assert_int_equal(strlen(hex), 64);
+    for (int i = 0; i < 64; i++)
+        assert_true((hex[i] >= '0' && hex[i] <= '9') || (hex[i] >= 'a' && hex[i] <= 'f'));
+    struct kvs_gguf_writer *w3 = kvs_gguf_writer_create();
+    assert_int_equal(kvs_gguf_writer_set_str(w3, "general.architecture", "other"), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_set_str(w3, "kvasir.shard.source_fingerprint", hex), KVS_OK);
+    struct kvs_gguf *g3 = write_and_open(w3, "fp3");
+    uint8_t f3[32];
+    assert_int_equal(kvs_gguf_fingerprint(g3, f3), KVS_OK);
+    assert_memory_equal(f3, want, 32);
+    kvs_gguf_close(g3);
+    assert_int_equal(kvs_gguf_writer_set_str(w3, "kvasir.shard.source_fingerprint", "abc"), KVS_OK);
+    g3 = write_and_open(w3, "fp3");
+    assert_int_equal(kvs_gguf_fingerprint(g3, f3), KVS_ERR_FORMAT);
+    kvs_gguf_close(g3);
+
+    /* A changed hyperparameter changes it. */
+    assert_int_equal(kvs_gguf_writer_set_u32(w1, "toy.n", 6), KVS_OK);
+    kvs_gguf_close(g1);
+    g1 = write_and_open(w1, "fp1");
+    assert_int_equal(kvs_gguf_fingerprint(g1, f1), KVS_OK);
+    assert_memory_not_equal(f1, want, 32);
+
+    kvs_gguf_close(g1);
+    kvs_gguf_close(g2);
+    kvs_gguf_writer_free(w1);
+    kvs_gguf_writer_free(w2);
+    kvs_gguf_writer_free(w3);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -367,6 +506,7 @@ int main(void)
         cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_copy_model),
         cmocka_unit_test(test_truncation_sweep),
+        cmocka_unit_test(test_fingerprint),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
