@@ -1,0 +1,183 @@
+/* kvasir plan: place a model's blocks on an inventory of devices and write
+ * the rank manifest (docs/PLAN.md, docs/MANIFEST.md). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "gguf/gguf.h"
+#include "plan/plan.h"
+
+static void plan_usage(FILE *f)
+{
+    fprintf(f, "usage: kvasir plan (-m MODEL.gguf | --url URL) --devices devices.json [options] -o ring.json\n"
+               "\n"
+               "  -m, --model PATH     GGUF model (only its header is read)\n"
+               "  --url URL            GGUF over HTTP (header only, range requests)\n"
+               "  --devices PATH       device inventory JSON (docs/PLAN.md)\n"
+               "  --ctx N              context tokens per sequence (default 4096)\n"
+               "  --seqs S             concurrent sequences (default 1)\n"
+               "  --boundary f16|f32   boundary precision between stages (default f16)\n"
+               "  --block-overhead-ms X  fixed cost per block per token (default 0.02)\n"
+               "  -o, --out PATH       manifest to write (default: print it to stdout)\n");
+}
+
+static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
+{
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi)
+        return -1;
+    *out = (uint32_t)v;
+    return 0;
+}
+
+int kvs_cli_plan(int argc, char **argv)
+{
+    const char *model = NULL, *url = NULL, *devices = NULL, *outp = NULL;
+    struct kvs_plan_targets t = kvs_plan_default_targets();
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            plan_usage(stdout);
+            return 0;
+        }
+        if (!v) {
+            fprintf(stderr, "kvasir plan: %s: missing value or unknown option\n", a);
+            plan_usage(stderr);
+            return 2;
+        }
+        i++;
+        if (!strcmp(a, "-m") || !strcmp(a, "--model"))
+            model = v;
+        else if (!strcmp(a, "--url"))
+            url = v;
+        else if (!strcmp(a, "--devices"))
+            devices = v;
+        else if (!strcmp(a, "-o") || !strcmp(a, "--out"))
+            outp = v;
+        else if (!strcmp(a, "--ctx")) {
+            if (parse_u32(v, 1, 1u << 24, &t.ctx)) {
+                fprintf(stderr, "kvasir plan: --ctx must be 1..16777216\n");
+                return 2;
+            }
+        } else if (!strcmp(a, "--seqs")) {
+            if (parse_u32(v, 1, 4096, &t.seqs)) {
+                fprintf(stderr, "kvasir plan: --seqs must be 1..4096\n");
+                return 2;
+            }
+        } else if (!strcmp(a, "--boundary")) {
+            if (!strcmp(v, "f16"))
+                t.boundary_bytes = 2;
+            else if (!strcmp(v, "f32"))
+                t.boundary_bytes = 4;
+            else {
+                fprintf(stderr, "kvasir plan: --boundary must be f16 or f32\n");
+                return 2;
+            }
+        } else if (!strcmp(a, "--block-overhead-ms")) {
+            char *end;
+            double x = strtod(v, &end);
+            if (end == v || *end || !(x >= 0) || x > 1e6) {
+                fprintf(stderr, "kvasir plan: --block-overhead-ms must be a number >= 0\n");
+                return 2;
+            }
+            t.block_overhead_ms = x;
+        } else {
+            fprintf(stderr, "kvasir plan: unknown option %s\n", a);
+            plan_usage(stderr);
+            return 2;
+        }
+    }
+    if ((!model) == (!url) || !devices) {
+        fprintf(stderr, "kvasir plan: give exactly one of -m/--url, and --devices\n");
+        plan_usage(stderr);
+        return 2;
+    }
+
+    int rc = 1;
+    char err[512] = "";
+    struct kvs_gguf *g = NULL;
+    uint8_t *hdr = NULL;
+    struct kvs_plan_model *m = NULL;
+    struct kvs_plan_inventory *inv = malloc(sizeof *inv);
+    struct kvs_plan_result *res = malloc(sizeof *res);
+    char *json = NULL;
+    kvs_err e;
+    if (!inv || !res) {
+        fprintf(stderr, "kvasir plan: out of memory\n");
+        goto done;
+    }
+    e = model ? kvs_gguf_open(model, &g, err, sizeof err) : kvs_plan_fetch_header(url, &hdr, &g, err, sizeof err);
+    if (e) {
+        fprintf(stderr, "kvasir plan: %s: %s (%s)\n", model ? model : url, err, kvs_strerror(e));
+        goto done;
+    }
+    if ((e = kvs_plan_model_from_gguf(g, &m, err, sizeof err))) {
+        fprintf(stderr, "kvasir plan: model: %s (%s)\n", err, kvs_strerror(e));
+        goto done;
+    }
+    if ((e = kvs_plan_inventory_load(devices, inv, err, sizeof err))) {
+        fprintf(stderr, "kvasir plan: %s: %s (%s)\n", devices, err, kvs_strerror(e));
+        rc = e == KVS_ERR_IO ? 1 : 2;
+        goto done;
+    }
+    if ((e = kvs_plan_solve(m, inv, &t, res, err, sizeof err))) {
+        fprintf(stderr, "kvasir plan: %s: %s\n", kvs_strerror(e), err);
+        goto done;
+    }
+    if ((e = kvs_plan_manifest_json(m, inv, &t, res, model, url, &json))) {
+        fprintf(stderr, "kvasir plan: manifest: %s\n", kvs_strerror(e));
+        goto done;
+    }
+
+    printf("model: %s  blocks %u  ctx %u  seqs %u  boundary %s\n", model ? model : url, m->n_block, t.ctx, t.seqs,
+           t.boundary_bytes == 4 ? "f32" : "f16");
+    printf("%-4s %-20s %-9s %6s %10s %9s %10s %8s\n", "rank", "device", "window", "blocks", "weights GB", "KV GB",
+           "ms/token", "hop ms");
+    for (size_t r = 0; r < res->n_ranks; r++) {
+        const struct kvs_plan_rank *rk = &res->ranks[r];
+        char win[32];
+        snprintf(win, sizeof win, "[%u,%u)", rk->begin, rk->end);
+        printf("%-4zu %-20s %-9s %6u %10.3f %9.3f %10.3f %8.3f\n", r, inv->devices[rk->device].name, win,
+               rk->end - rk->begin, (double)rk->weights_bytes / 1e9, (double)rk->kv_bytes / 1e9, rk->compute_ms,
+               rk->hop_ms);
+    }
+    for (size_t i = 0; i < inv->n_devices; i++) {
+        bool used = false;
+        for (size_t r = 0; r < res->n_ranks; r++)
+            used |= res->ranks[r].device == i;
+        if (!used)
+            printf("excluded: %s\n", inv->devices[i].name);
+    }
+    printf("predicted: %.3f ms/token, %.2f tokens/s (1 sequence), %.2f tokens/s (%u sequences)%s\n", res->token_ms,
+           res->decode_tps_1, res->decode_tps_seqs, res->seqs, res->exhaustive ? "" : " [heuristic order]");
+    if (outp) {
+        FILE *f = fopen(outp, "w");
+        if (!f || fputs(json, f) == EOF || fputc('\n', f) == EOF) {
+            fprintf(stderr, "kvasir plan: %s: %s\n", outp, strerror(errno));
+            if (f)
+                fclose(f);
+            goto done;
+        }
+        if (fclose(f)) {
+            fprintf(stderr, "kvasir plan: %s: %s\n", outp, strerror(errno));
+            goto done;
+        }
+        printf("manifest: %s\n", outp);
+    } else {
+        printf("%s\n", json);
+    }
+    rc = 0;
+done:
+    free(json);
+    free(m);
+    kvs_gguf_close(g);
+    free(hdr);
+    free(inv);
+    free(res);
+    return rc;
+}
