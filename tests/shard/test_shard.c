@@ -1,0 +1,510 @@
+/* Stage shards: window tensor sets, extraction, check, index, and (in
+ * process, on loopback) the seed server's range handling and fetch. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <curl/curl.h>
+
+#include "gguf/gguf.h"
+#include "shard/shard.h"
+
+static char g_tmp[256];
+
+static const char *models_dir(void)
+{
+    static char buf[1024];
+    const char *s = getenv("KVASIR_SHARED");
+    snprintf(buf, sizeof buf, "%s/models", s ? s : "../shared");
+    return buf;
+}
+
+static struct kvs_gguf *open_model(const char *name)
+{
+    char path[1200], msg[256] = "";
+    snprintf(path, sizeof path, "%s/%s", models_dir(), name);
+    struct kvs_gguf *g = NULL;
+    kvs_err err = kvs_gguf_open(path, &g, msg, sizeof msg);
+    if (err)
+        fprintf(stderr, "open %s: %s\n", path, msg);
+    assert_int_equal(err, KVS_OK);
+    return g;
+}
+
+static void tmp_path(char *out, size_t n, const char *name) { snprintf(out, n, "%s/%s", g_tmp, name); }
+
+static bool file_exists(const char *p)
+{
+    struct stat st;
+    return stat(p, &st) == 0;
+}
+
+/* The test's own statement of which tensors a window needs (independent of
+ * kvs_shard_window_tensors). */
+static bool needed(const struct kvs_gguf *g, const char *name, uint32_t b, uint32_t e, uint32_t n_block)
+{
+    unsigned blk;
+    int used = 0;
+    if (sscanf(name, "blk.%u.%n", &blk, &used) == 1 && used > 0)
+        return blk >= b && blk < e;
+    bool tied = kvs_gguf_find_tensor(g, "output.weight") == NULL;
+    if (!strcmp(name, "token_embd.weight"))
+        return b == 0 || (e == n_block && tied);
+    if (!strcmp(name, "output_norm.weight") || !strcmp(name, "output.weight"))
+        return e == n_block;
+    return true;
+}
+
+static const char *const k_models[] = { "aidreams260K.gguf", "llama-f32.gguf",   "llama-mixed.gguf",
+                                        "llama-q2_k.gguf",   "llama-q4_k_m.gguf", "llama-q5_k_m.gguf",
+                                        "qwen2-mixed.gguf",  "qwen3-q8_0.gguf",   "qwen3moe-mixed.gguf" };
+
+static void check_shard(const struct kvs_gguf *src, const char *path, uint32_t b, uint32_t e, uint32_t n_block)
+{
+    char msg[256] = "";
+    struct kvs_gguf *s = NULL;
+    assert_int_equal(kvs_gguf_open(path, &s, msg, sizeof msg), KVS_OK);
+    assert_int_equal(kvs_gguf_version(s), 3);
+    /* exactly the expected tensor set, in source order, bytes identical */
+    size_t k = 0;
+    for (size_t i = 0; i < kvs_gguf_n_tensors(src); i++) {
+        const struct kvs_gguf_tensor *t = kvs_gguf_tensor(src, i);
+        const struct kvs_gguf_tensor *u = kvs_gguf_find_tensor(s, t->name);
+        if (!needed(src, t->name, b, e, n_block)) {
+            assert_null(u);
+            continue;
+        }
+        assert_non_null(u);
+        assert_ptr_equal(u, kvs_gguf_tensor(s, k));
+        k++;
+        assert_int_equal(u->type, t->type);
+        assert_memory_equal(u->ne, t->ne, sizeof t->ne);
+        assert_int_equal(u->bytes, t->bytes);
+        assert_int_equal(u->offset % kvs_gguf_alignment(s), 0);
+        assert_memory_equal(u->data, t->data, t->bytes);
+    }
+    assert_int_equal(k, kvs_gguf_n_tensors(s));
+    /* every source KV verbatim */
+    for (size_t i = 0; i < kvs_gguf_n_kv(src); i++) {
+        const uint8_t *p1, *p2;
+        size_t l1, l2;
+        int64_t j = kvs_gguf_find_key(s, kvs_gguf_key(src, i));
+        assert_true(j >= 0);
+        if (!strncmp(kvs_gguf_key(src, i), "kvasir.shard.", 13))
+            continue;
+        assert_int_equal(kvs_gguf_kv_raw(src, i, &p1, &l1), KVS_OK);
+        assert_int_equal(kvs_gguf_kv_raw(s, (size_t)j, &p2, &l2), KVS_OK);
+        assert_int_equal(l1, l2);
+        assert_memory_equal(p1, p2, l1);
+    }
+    /* shard keys */
+    uint32_t v;
+    assert_int_equal(kvs_gguf_get_u32(s, KVS_SHARD_KEY_WINDOW_BEGIN, &v), KVS_OK);
+    assert_int_equal(v, b);
+    assert_int_equal(kvs_gguf_get_u32(s, KVS_SHARD_KEY_WINDOW_END, &v), KVS_OK);
+    assert_int_equal(v, e);
+    assert_int_equal(kvs_gguf_get_u32(s, KVS_SHARD_KEY_SOURCE_BLOCK_COUNT, &v), KVS_OK);
+    assert_int_equal(v, n_block);
+    uint8_t fa[32], fb[32];
+    assert_int_equal(kvs_gguf_fingerprint(src, fa), KVS_OK);
+    assert_int_equal(kvs_gguf_fingerprint(s, fb), KVS_OK);
+    assert_memory_equal(fa, fb, 32);
+    /* tensors_sha256 = SHA-256 of the concatenated per-tensor digests */
+    size_t n = kvs_gguf_n_tensors(s);
+    uint8_t *cat = malloc(32 * (n ? n : 1)), d[32];
+    for (size_t i = 0; i < n; i++)
+        assert_int_equal(kvs_shard_sha256(kvs_gguf_tensor(s, i)->data, kvs_gguf_tensor(s, i)->bytes, cat + 32 * i),
+                         KVS_OK);
+    assert_int_equal(kvs_shard_sha256(cat, 32 * n, d), KVS_OK);
+    free(cat);
+    char hex[65];
+    kvs_shard_hex(d, hex);
+    const char *str;
+    size_t len;
+    assert_int_equal(kvs_gguf_get_str(s, KVS_SHARD_KEY_TENSORS_SHA256, &str, &len), KVS_OK);
+    assert_int_equal(len, 64);
+    assert_memory_equal(str, hex, 64);
+    assert_int_equal(kvs_shard_check(s, b, e, msg, sizeof msg), KVS_OK);
+    kvs_gguf_close(s);
+}
+
+static void test_extract_all_models(void **state)
+{
+    (void)state;
+    for (size_t m = 0; m < sizeof k_models / sizeof k_models[0]; m++) {
+        struct kvs_gguf *g = open_model(k_models[m]);
+        uint32_t n = 0;
+        assert_int_equal(kvs_shard_block_count(g, &n), KVS_OK);
+        assert_true(n >= 3);
+        const uint32_t win[][2] = { { 0, n }, { 0, 1 }, { 1, 2 }, { n - 1, n }, { 1, n - 1 } };
+        for (size_t w = 0; w < 5; w++) {
+            char path[512], msg[256] = "";
+            tmp_path(path, sizeof path, "x.gguf");
+            assert_int_equal(kvs_shard_extract(g, win[w][0], win[w][1], path, msg, sizeof msg), KVS_OK);
+            check_shard(g, path, win[w][0], win[w][1], n);
+            remove(path);
+        }
+        kvs_gguf_close(g);
+    }
+}
+
+/* Hand-counted tensor sets: a llama block has 9 tensors (attn_norm, q, k, v,
+ * output, ffn_norm, gate, up, down); a qwen3 block 11 (+ q_norm, k_norm). */
+static void test_window_counts(void **state)
+{
+    (void)state;
+    struct kvs_gguf *g = open_model("llama-q4_k_m.gguf"); /* 3 blocks, untied */
+    size_t *idx = NULL, n = 0;
+    assert_int_equal(kvs_shard_window_tensors(g, 1, 2, &idx, &n, NULL, 0), KVS_OK);
+    assert_int_equal(n, 9);
+    free(idx);
+    assert_int_equal(kvs_shard_window_tensors(g, 0, 1, &idx, &n, NULL, 0), KVS_OK);
+    assert_int_equal(n, 10); /* + token_embd */
+    free(idx);
+    assert_int_equal(kvs_shard_window_tensors(g, 2, 3, &idx, &n, NULL, 0), KVS_OK);
+    assert_int_equal(n, 11); /* + output_norm, output */
+    free(idx);
+    assert_int_equal(kvs_shard_window_tensors(g, 0, 3, &idx, &n, NULL, 0), KVS_OK);
+    assert_int_equal(n, kvs_gguf_n_tensors(g));
+    assert_int_equal(n, 3 * 9 + 3);
+    free(idx);
+    assert_int_equal(kvs_shard_window_tensors(g, 2, 2, &idx, &n, NULL, 0), KVS_ERR_RANGE);
+    assert_int_equal(kvs_shard_window_tensors(g, 2, 4, &idx, &n, NULL, 0), KVS_ERR_RANGE);
+    kvs_gguf_close(g);
+
+    g = open_model("qwen3-q8_0.gguf"); /* 4 blocks, tied output */
+    assert_null(kvs_gguf_find_tensor(g, "output.weight"));
+    assert_int_equal(kvs_shard_window_tensors(g, 3, 4, &idx, &n, NULL, 0), KVS_OK);
+    assert_int_equal(n, 11 + 2); /* + output_norm + token_embd (tied head) */
+    bool has_embd = false;
+    for (size_t i = 0; i < n; i++)
+        has_embd |= !strcmp(kvs_gguf_tensor(g, idx[i])->name, "token_embd.weight");
+    assert_true(has_embd);
+    free(idx);
+    kvs_gguf_close(g);
+}
+
+static void test_check(void **state)
+{
+    (void)state;
+    struct kvs_gguf *g = open_model("llama-q4_k_m.gguf");
+    char path[512], msg[256] = "";
+    assert_int_equal(kvs_shard_check(g, 0, 3, msg, sizeof msg), KVS_OK);
+    assert_int_equal(kvs_shard_check(g, 1, 2, msg, sizeof msg), KVS_OK);
+    assert_int_equal(kvs_shard_check(g, 1, 4, msg, sizeof msg), KVS_ERR_RANGE);
+    tmp_path(path, sizeof path, "c12.gguf");
+    assert_int_equal(kvs_shard_extract(g, 1, 3, path, msg, sizeof msg), KVS_OK);
+    struct kvs_gguf *s = NULL;
+    assert_int_equal(kvs_gguf_open(path, &s, msg, sizeof msg), KVS_OK);
+    uint32_t b = 0, e = 0;
+    assert_true(kvs_shard_window(s, &b, &e));
+    assert_int_equal(b, 1);
+    assert_int_equal(e, 3);
+    assert_false(kvs_shard_window(g, &b, &e));
+    assert_int_equal(kvs_shard_check(s, 1, 3, msg, sizeof msg), KVS_OK);
+    assert_int_equal(kvs_shard_check(s, 2, 3, msg, sizeof msg), KVS_OK); /* covered */
+    assert_int_equal(kvs_shard_check(s, 0, 2, msg, sizeof msg), KVS_ERR_MISMATCH);
+    assert_non_null(strstr(msg, "[1,3)"));
+    assert_non_null(strstr(msg, "[0,2)"));
+    assert_int_equal(kvs_shard_check(s, 0, 3, msg, sizeof msg), KVS_ERR_MISMATCH);
+    /* extracting from a shard needs coverage too */
+    char p2[512];
+    tmp_path(p2, sizeof p2, "c01.gguf");
+    assert_int_equal(kvs_shard_extract(s, 0, 1, p2, msg, sizeof msg), KVS_ERR_MISMATCH);
+    assert_false(file_exists(p2));
+    /* a shard of a shard is byte-identical to the shard of the full file */
+    char p3[512];
+    tmp_path(p3, sizeof p3, "c22a.gguf");
+    assert_int_equal(kvs_shard_extract(s, 2, 3, p2, msg, sizeof msg), KVS_OK);
+    assert_int_equal(kvs_shard_extract(g, 2, 3, p3, msg, sizeof msg), KVS_OK);
+    struct kvs_gguf *x = NULL, *y = NULL;
+    assert_int_equal(kvs_gguf_open(p2, &x, msg, sizeof msg), KVS_OK);
+    assert_int_equal(kvs_gguf_open(p3, &y, msg, sizeof msg), KVS_OK);
+    assert_int_equal(kvs_gguf_file_size(x), kvs_gguf_file_size(y));
+    assert_memory_equal(kvs_gguf_base(x), kvs_gguf_base(y), kvs_gguf_file_size(x));
+    kvs_gguf_close(x);
+    kvs_gguf_close(y);
+    remove(p2);
+    remove(p3);
+    kvs_gguf_close(s);
+    remove(path);
+    kvs_gguf_close(g);
+}
+
+static void test_helpers(void **state)
+{
+    (void)state;
+    uint8_t d[32];
+    char hex[65];
+    /* FIPS 180-2 test vector */
+    assert_int_equal(kvs_shard_sha256("abc", 3, d), KVS_OK);
+    kvs_shard_hex(d, hex);
+    assert_string_equal(hex, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    uint8_t back[32];
+    assert_true(kvs_shard_unhex(hex, 64, back));
+    assert_memory_equal(back, d, 32);
+    assert_false(kvs_shard_unhex(hex, 63, back));
+    assert_false(kvs_shard_unhex("zz16bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad", 64, back));
+    uint32_t b, e;
+    assert_int_equal(kvs_shard_parse_window("0:4", &b, &e), KVS_OK);
+    assert_int_equal(b, 0);
+    assert_int_equal(e, 4);
+    assert_int_equal(kvs_shard_parse_window("12:48", &b, &e), KVS_OK);
+    assert_int_equal(b, 12);
+    assert_int_equal(e, 48);
+    const char *bad[] = { "4:4", "5:4", "a:b", "1:", ":2", "-1:2", "1:2x", "", "1-2", "99999999999:1" };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        assert_int_equal(kvs_shard_parse_window(bad[i], &b, &e), KVS_ERR_ARG);
+}
+
+static void test_index_roundtrip(void **state)
+{
+    (void)state;
+    struct kvs_gguf *g = open_model("qwen2-mixed.gguf");
+    struct kvs_shard_index ix, iy;
+    char path[512], msg[256] = "";
+    assert_int_equal(kvs_shard_index_build(g, &ix, msg, sizeof msg), KVS_OK);
+    assert_int_equal(ix.n_tensors, kvs_gguf_n_tensors(g));
+    assert_int_equal(ix.file_size, 16037152); /* ls -l of the shared file */
+    tmp_path(path, sizeof path, "ix.json");
+    assert_int_equal(kvs_shard_index_save(&ix, path, msg, sizeof msg), KVS_OK);
+    assert_int_equal(kvs_shard_index_load(path, &iy, msg, sizeof msg), KVS_OK);
+    assert_string_equal(ix.fingerprint, iy.fingerprint);
+    assert_int_equal(iy.file_size, ix.file_size);
+    assert_int_equal(iy.data_offset, kvs_gguf_data_offset(g));
+    assert_int_equal(iy.n_tensors, ix.n_tensors);
+    for (size_t i = 0; i < iy.n_tensors; i++) {
+        const struct kvs_gguf_tensor *t = kvs_gguf_tensor(g, i);
+        const struct kvs_shard_index_entry *e = kvs_shard_index_find(&iy, t->name);
+        assert_non_null(e);
+        assert_int_equal(e->offset, kvs_gguf_data_offset(g) + t->offset);
+        assert_int_equal(e->size, t->bytes);
+        assert_int_equal(e->type, t->type);
+        assert_memory_equal(e->ne, t->ne, sizeof t->ne);
+        /* the bytes at the absolute offset hash to the entry */
+        uint8_t d[32];
+        assert_int_equal(kvs_shard_sha256(kvs_gguf_base(g) + e->offset, e->size, d), KVS_OK);
+        assert_memory_equal(d, e->sha256, 32);
+    }
+    kvs_shard_index_free(&iy);
+    kvs_shard_index_free(&ix);
+    remove(path);
+    const char *bad[] = { "", "[]", "{\"fingerprint\":\"ab\"}", "{\"fingerprint\":1}",
+                          "{\"fingerprint\":\"0000000000000000000000000000000000000000000000000000000000000000\","
+                          "\"file_size\":10,\"data_offset\":0,\"alignment\":32,\"tensors\":[{\"name\":\"a\","
+                          "\"type_id\":0,\"shape\":[4],\"offset\":8,\"size\":16,\"sha256\":\"00\"}]}" };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        assert_int_equal(kvs_shard_index_parse(bad[i], strlen(bad[i]), &iy, msg, sizeof msg), KVS_ERR_FORMAT);
+    kvs_gguf_close(g);
+}
+
+/* --- seed + fetch, in process on loopback -------------------------------------- */
+
+static size_t count_body(char *d, size_t s, size_t n, void *ud)
+{
+    (void)d;
+    *(size_t *)ud += s * n;
+    return s * n;
+}
+
+static long http_get(uint16_t port, const char *path, const char *range, size_t *body)
+{
+    char url[256];
+    snprintf(url, sizeof url, "http://127.0.0.1:%u%s", port, path);
+    CURL *c = curl_easy_init();
+    struct curl_slist *h = NULL;
+    char hdr[256];
+    if (range) {
+        snprintf(hdr, sizeof hdr, "Range: %s", range);
+        h = curl_slist_append(h, hdr);
+    }
+    *body = 0;
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, count_body);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, body);
+    long code = 0;
+    if (curl_easy_perform(c) == CURLE_OK)
+        curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+    curl_slist_free_all(h);
+    curl_easy_cleanup(c);
+    return code;
+}
+
+static void test_seed_ranges(void **state)
+{
+    (void)state;
+    struct kvs_seed_params p = kvs_seed_default_params();
+    p.dir = models_dir();
+    struct kvs_seed *s = NULL;
+    char msg[256] = "";
+    assert_int_equal(kvs_seed_start(&p, &s, msg, sizeof msg), KVS_OK);
+    uint16_t port = kvs_seed_port(s);
+    assert_true(port > 0);
+    const uint64_t size = 1068640; /* aidreams260K.gguf, ls -l */
+    struct {
+        const char *range;
+        long code;
+        size_t body;
+    } table[] = {
+        { NULL, 200, size },
+        { "bytes=0-99", 206, 100 },
+        { "bytes=0-", 206, size },
+        { "bytes=-5", 206, 5 },
+        { "bytes=1068630-2000000", 206, 10 },
+        { "bytes=1068640-", 416, 0 },
+        { "bytes=abc", 416, 0 },
+        { "bytes=5-2", 416, 0 },
+        { "bytes=0-1,5-6", 416, 0 },
+        { "bytes=99999999999999999999999-", 416, 0 },
+        { "bytes=0-99999999999999999999999", 416, 0 },
+        { "bytes=-0", 416, 0 },
+        { "bytes=-", 416, 0 },
+        { "items=0-5", 416, 0 },
+        { "bytes=--5", 416, 0 },
+    };
+    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
+        size_t body = 0;
+        long code = http_get(port, "/aidreams260K.gguf", table[i].range, &body);
+        if (code != table[i].code || body != table[i].body)
+            fprintf(stderr, "range %s: got %ld / %zu bytes\n", table[i].range, code, body);
+        assert_int_equal(code, table[i].code);
+        assert_int_equal(body, table[i].body);
+    }
+    size_t body = 0;
+    assert_int_equal(http_get(port, "/../etc/passwd", NULL, &body), 404);
+    assert_int_equal(http_get(port, "/nope.gguf", NULL, &body), 404);
+    assert_int_equal(http_get(port, "/models", NULL, &body), 200);
+    assert_true(body > 100);
+    /* served bytes: 2 full bodies + 100 + 5 + 10 */
+    assert_int_equal(kvs_seed_bytes_served(s), 2 * size + 115);
+    kvs_seed_stop(s);
+}
+
+static void test_fetch_loopback(void **state)
+{
+    (void)state;
+    struct kvs_seed_params sp = kvs_seed_default_params();
+    sp.dir = models_dir();
+    struct kvs_seed *s = NULL, *s_norange = NULL;
+    char msg[512] = "", url[256], out[512], ext[512], ixpath[512];
+    assert_int_equal(kvs_seed_start(&sp, &s, msg, sizeof msg), KVS_OK);
+    snprintf(url, sizeof url, "http://127.0.0.1:%u/qwen3moe-mixed.gguf", kvs_seed_port(s));
+    tmp_path(out, sizeof out, "f.gguf");
+    tmp_path(ext, sizeof ext, "e.gguf");
+    tmp_path(ixpath, sizeof ixpath, "q.json");
+    struct kvs_gguf *g = open_model("qwen3moe-mixed.gguf");
+    assert_int_equal(kvs_shard_extract(g, 1, 3, ext, msg, sizeof msg), KVS_OK);
+    struct kvs_shard_index ix;
+    assert_int_equal(kvs_shard_index_build(g, &ix, msg, sizeof msg), KVS_OK);
+    assert_int_equal(kvs_shard_index_save(&ix, ixpath, msg, sizeof msg), KVS_OK);
+
+    struct kvs_shard_fetch_params p = kvs_shard_fetch_default_params();
+    p.url = url;
+    p.begin = 1;
+    p.end = 3;
+    p.out_path = out;
+    p.index = ixpath;
+    p.progress = 0;
+    p.initial_header = 4096; /* force the geometric growth path */
+    struct kvs_shard_fetch_stats st;
+    uint64_t served0 = kvs_seed_bytes_served(s);
+    assert_int_equal(kvs_shard_fetch(&p, &st, msg, sizeof msg), KVS_OK);
+    assert_true(st.verified);
+    assert_true(st.n_requests > 2);
+    /* identical to the extracted shard */
+    struct kvs_gguf *a = NULL, *b = NULL;
+    assert_int_equal(kvs_gguf_open(out, &a, msg, sizeof msg), KVS_OK);
+    assert_int_equal(kvs_gguf_open(ext, &b, msg, sizeof msg), KVS_OK);
+    assert_int_equal(kvs_gguf_file_size(a), kvs_gguf_file_size(b));
+    assert_memory_equal(kvs_gguf_base(a), kvs_gguf_base(b), kvs_gguf_file_size(a));
+    kvs_gguf_close(a);
+    kvs_gguf_close(b);
+    /* only the window's bytes and the header crossed the wire */
+    uint64_t served = kvs_seed_bytes_served(s) - served0;
+    assert_int_equal(served, st.header_bytes + st.data_bytes);
+    assert_true(st.data_bytes <= st.window_bytes + st.window_bytes / 100);
+    assert_true(st.data_bytes >= st.window_bytes);
+    char part[600];
+    snprintf(part, sizeof part, "%s.part", out);
+    assert_false(file_exists(part));
+    snprintf(part, sizeof part, "%s.part.state", out);
+    assert_false(file_exists(part));
+    remove(out);
+
+    /* a corrupted index entry: hash error, no output file */
+    ix.tensors[kvs_gguf_n_tensors(g) / 2].sha256[0] ^= 1;
+    const char *bad_name = ix.tensors[kvs_gguf_n_tensors(g) / 2].name;
+    assert_int_equal(kvs_shard_index_save(&ix, ixpath, msg, sizeof msg), KVS_OK);
+    size_t *idx, n;
+    assert_int_equal(kvs_shard_window_tensors(g, 0, 3, &idx, &n, NULL, 0), KVS_OK);
+    free(idx);
+    p.begin = 0;
+    assert_int_equal(kvs_shard_fetch(&p, &st, msg, sizeof msg), KVS_ERR_HASH);
+    assert_non_null(strstr(msg, bad_name));
+    assert_false(file_exists(out));
+    p.index = NULL;
+    /* a server that ignores Range */
+    sp.no_ranges = true;
+    assert_int_equal(kvs_seed_start(&sp, &s_norange, msg, sizeof msg), KVS_OK);
+    snprintf(url, sizeof url, "http://127.0.0.1:%u/qwen3moe-mixed.gguf", kvs_seed_port(s_norange));
+    assert_int_equal(kvs_shard_fetch(&p, &st, msg, sizeof msg), KVS_ERR_NET);
+    assert_non_null(strstr(msg, "206"));
+    assert_false(file_exists(out));
+    /* a missing file */
+    snprintf(url, sizeof url, "http://127.0.0.1:%u/missing.gguf", kvs_seed_port(s));
+    assert_int_equal(kvs_shard_fetch(&p, &st, msg, sizeof msg), KVS_ERR_NET);
+    assert_false(file_exists(out));
+    /* not a GGUF (a reference JSON served as the model) -> corrupt header */
+    snprintf(url, sizeof url, "http://127.0.0.1:%u/qwen3moe-mixed.ref.json", kvs_seed_port(s));
+    assert_int_equal(kvs_shard_fetch(&p, &st, msg, sizeof msg), KVS_ERR_FORMAT);
+    assert_non_null(strstr(msg, "corrupt GGUF header"));
+    assert_false(file_exists(out));
+    kvs_seed_stop(s_norange);
+    kvs_shard_index_free(&ix);
+    kvs_gguf_close(g);
+    kvs_seed_stop(s);
+    snprintf(part, sizeof part, "%s.part", out);
+    remove(part);
+    snprintf(part, sizeof part, "%s.part.state", out);
+    remove(part);
+    remove(ext);
+    remove(ixpath);
+}
+
+static int setup(void **state)
+{
+    (void)state;
+    snprintf(g_tmp, sizeof g_tmp, "/tmp/kvs_test_shard_XXXXXX");
+    return mkdtemp(g_tmp) ? 0 : -1;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    return rmdir(g_tmp);
+}
+
+int main(void)
+{
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_helpers),
+        cmocka_unit_test(test_window_counts),
+        cmocka_unit_test(test_extract_all_models),
+        cmocka_unit_test(test_check),
+        cmocka_unit_test(test_index_roundtrip),
+        cmocka_unit_test(test_seed_ranges),
+        cmocka_unit_test(test_fetch_loopback),
+    };
+    int rc = cmocka_run_group_tests(tests, setup, teardown);
+    curl_global_cleanup();
+    return rc;
+}
