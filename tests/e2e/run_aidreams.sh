@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# kvasir run / eval on aidreams260K against llama.cpp's reference
+# (../shared/models/aidreams260K.ref.json): greedy text must match exactly.
+set -euo pipefail
+: "${KVASIR_BIN:?}" "${KVASIR_SHARED:?}"
+model="$KVASIR_SHARED/models/aidreams260K.gguf"
+ref="$KVASIR_SHARED/models/aidreams260K.ref.json"
+[ -f "$model" ] && [ -f "$ref" ] || { echo "missing $model or $ref"; exit 1; }
+
+# The reference continuation: the "text" field (plain ASCII, no escapes here).
+expected=$(grep -o '"text":"[^"]*"' "$ref" | sed -e 's/^"text":"//' -e 's/"$//')
+[ -n "$expected" ] || { echo "no text in $ref"; exit 1; }
+
+got=$("$KVASIR_BIN" run -m "$model" -p "Once upon a time" -n 60 --temp 0 2>/tmp/kvs_e2e_run_$$.err)
+summary=$(grep -c '^prefill: .* tok/s, decode: .* tok/s (60 tokens)$' /tmp/kvs_e2e_run_$$.err || true)
+rm -f /tmp/kvs_e2e_run_$$.err
+if [ "$got" != "$expected" ]; then
+    echo "run output differs:"; echo " got:      [$got]"; echo " expected: [$expected]"; exit 1
+fi
+[ "$summary" = 1 ] || { echo "no speed summary on stderr"; exit 1; }
+
+# --ring is a recognised option (implemented by the ring); bad options are usage errors.
+set +e
+"$KVASIR_BIN" run -m "$model" -p x --bogus 1 >/dev/null 2>&1; rc=$?
+set -e
+[ "$rc" = 2 ] || { echo "bad option: rc $rc, expected 2"; exit 1; }
+
+# eval: the prompt ids teacher-forced; one JSON line per position, the
+# top-1 of each must be the reference's (positions 0..12 of the ref file).
+prompt=$(grep -o '"prompt":\[[0-9,]*\]' "$ref" | sed -e 's/^"prompt":\[//' -e 's/\]$//')
+out=$("$KVASIR_BIN" eval -m "$model" --tokens "$prompt" --top 3)
+n=$(printf '%s\n' "$out" | wc -l)
+[ "$n" = 13 ] || { echo "eval printed $n lines, expected 13"; exit 1; }
+# Reference top-1 ids of positions 0..12, in order.
+ref_top=$(grep -o '"top":\[\[[0-9]*' "$ref" | head -n 13 | sed 's/.*\[\[//' | tr '\n' ' ')
+our_top=$(printf '%s\n' "$out" | sed 's/.*"top": \[\[\([0-9]*\),.*/\1/' | tr '\n' ' ')
+[ "$ref_top" = "$our_top" ] || { echo "eval top-1: got [$our_top], expected [$ref_top]"; exit 1; }
+first=$(printf '%s\n' "$out" | head -n 1)
+case "$first" in
+    '{"pos": 0, "top": [[319, 0.97'*) ;;
+    *) echo "eval first line: $first"; exit 1 ;;
+esac
+echo "ok: run text matches; eval top-1 matches at 13 positions"
