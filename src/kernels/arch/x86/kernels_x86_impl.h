@@ -1,0 +1,405 @@
+/* x86 kernels written once with 256-bit intrinsics and compiled twice: in
+ * kernels_avx2.c (-mavx2 -mfma -mf16c) and in kernels_avx512.c (plus
+ * AVX-512 F/BW/VL/DQ/VNNI), where the u8 x s8 dot step becomes one VNNI
+ * instruction. Every function reproduces the scalar reference's integer sums
+ * exactly (no int16 saturation is possible for these value ranges, checked
+ * per kernel below) and combines them with the same per-block float scales;
+ * only the float summation order differs (gguf-facts §2.5).
+ *
+ * Vectorized here: activation quantization Q8_0, Q8_1, Q8_K; vec_dot for
+ * Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, F16; dot4 (one weight row, four activation
+ * rows) for Q4_0, Q8_0, Q4_K, Q6_K. Everything else (dequantization, Q4_1,
+ * Q5_0, Q5_1, Q2_K, Q3_K, BF16, F32, F16/BF16 activation conversion) uses
+ * the scalar reference. Include only from a file compiled with AVX2 flags. */
+#ifndef KVS_KERNELS_X86_IMPL_H
+#define KVS_KERNELS_X86_IMPL_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "kernels/kernels_impl.h"
+
+#define KVS_F16(h) _cvtsh_ss(h)
+
+static inline float kvs_x86_hsum_ps(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline int kvs_x86_hsum_epi32(__m256i v)
+{
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* acc + sum of 4 adjacent u8*s8 products per int32 lane. Callers guarantee
+ * that pairs of products fit int16 (|u*s| * 2 <= 32767), so the AVX2 form
+ * (maddubs saturating at int16) and VNNI give identical results. */
+static inline __m256i kvs_x86_dpbusd(__m256i acc, __m256i u, __m256i s)
+{
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* Signed s8 x s8 sums of 4 per int32 lane: |w| (<= 128) times a with w's sign
+ * (|a| <= 127 after the sign flip as the activation has no -128 for Q8_0 and
+ * at most |-128*1| pairs sum 32512 < 32767). */
+static inline __m256i kvs_x86_dot_s8(__m256i w, __m256i a)
+{
+    return kvs_x86_dpbusd(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+}
+
+/* --- activation quantization -------------------------------------------- */
+
+/* Round-half-even 32 values * mult into int8 (x86 rule, gguf-facts §2.5);
+ * returns the lane sums of q for Q8_1. */
+static inline __m256i kvs_x86_q8_block(const float *x, float mult, int8_t *qs)
+{
+    __m256 m = _mm256_set1_ps(mult);
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x), m), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8), m), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 16), m), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 24), m), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)qs, p);
+    return sum;
+}
+
+static inline float kvs_x86_absmax32(const float *x)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8)));
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 16)));
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 24)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+static void kvs_x86_quant_q8_0(const float *src, void *dst, int64_t n)
+{
+    kvs_block_q8_0 *b = dst;
+    for (int64_t i = 0; i < n / KVS_QK; i++) {
+        const float *x = src + i * KVS_QK;
+        float amax = kvs_x86_absmax32(x);
+        kvs_x86_q8_block(x, amax != 0.0f ? 127.0f / amax : 0.0f, b[i].qs);
+        b[i].d = _cvtss_sh(amax / 127.0f, 0);
+    }
+}
+
+static void kvs_x86_quant_q8_1(const float *src, void *dst, int64_t n)
+{
+    kvs_block_q8_1 *b = dst;
+    for (int64_t i = 0; i < n / KVS_QK; i++) {
+        const float *x = src + i * KVS_QK;
+        float amax = kvs_x86_absmax32(x);
+        int s = kvs_x86_hsum_epi32(kvs_x86_q8_block(x, amax != 0.0f ? 127.0f / amax : 0.0f, b[i].qs));
+        float d = amax / 127.0f;
+        b[i].d = _cvtss_sh(d, 0);
+        b[i].s = _cvtss_sh(d * (float)s, 0);
+    }
+}
+
+/* Q8_K as llama.cpp's reference quantizer (gguf-facts §2.5): the signed value
+ * of largest magnitude (the first such) sets iscale = -127/max. */
+static void kvs_x86_quant_q8_K(const float *src, void *dst, int64_t n)
+{
+    kvs_block_q8_K *b = dst;
+    for (int64_t i = 0; i < n / KVS_QK_K; i++) {
+        const float *x = src + i * KVS_QK_K;
+        float amax = 0.0f;
+        for (int j = 0; j < KVS_QK_K; j += 32)
+            amax = fmaxf(amax, kvs_x86_absmax32(x + j));
+        if (amax == 0.0f) {
+            memset(&b[i], 0, sizeof b[i]);
+            continue;
+        }
+        float max = 0.0f;
+        for (int j = 0; j < KVS_QK_K; j++) {
+            if (fabsf(x[j]) == amax) {
+                max = x[j];
+                break;
+            }
+        }
+        float iscale = -127.0f / max;
+        const __m256 m = _mm256_set1_ps(iscale);
+        const __m256i lim = _mm256_set1_epi32(127);
+        for (int j = 0; j < KVS_QK_K; j += 32) {
+            __m256i v[4];
+            for (int k = 0; k < 4; k++) {
+                __m256 p = _mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * k), m);
+                v[k] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_round_ps(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)), lim);
+            }
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(b[i].qs + j), p);
+        }
+        /* bsums: 16 sums of 16 int8 */
+        const __m256i ones8 = _mm256_set1_epi8(1);
+        for (int k = 0; k < 16; k += 2) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(b[i].qs + 16 * k));
+            __m256i s16 = _mm256_maddubs_epi16(ones8, q);           /* 16 pair sums */
+            __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); /* 8 quad sums */
+            __m128i lo = _mm256_castsi256_si128(s32), hi = _mm256_extracti128_si256(s32, 1);
+            lo = _mm_hadd_epi32(lo, lo);
+            hi = _mm_hadd_epi32(hi, hi);
+            b[i].bsums[k] = (int16_t)(_mm_cvtsi128_si32(lo) + _mm_extract_epi32(lo, 1));
+            b[i].bsums[k + 1] = (int16_t)(_mm_cvtsi128_si32(hi) + _mm_extract_epi32(hi, 1));
+        }
+        b[i].d = 1.0f / iscale;
+    }
+}
+
+/* --- Q8_0 / Q4_0 against Q8_0 --------------------------------------------- */
+
+/* Q4_0 block unpacked to signed bytes -8..7 in element order. */
+static inline __m256i kvs_x86_unpack_q4_0(const uint8_t *qs)
+{
+    __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    __m256i v = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+    return _mm256_sub_epi8(_mm256_and_si256(v, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
+}
+
+static float kvs_x86_dot_q8_0(int64_t n, const void *w, const void *a)
+{
+    const kvs_block_q8_0 *x = w, *y = a;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t nb = n / KVS_QK, i = 0;
+    for (; i + 1 < nb; i += 2) {
+        __m256i p0 = kvs_x86_dot_s8(_mm256_loadu_si256((const __m256i *)x[i].qs), _mm256_loadu_si256((const __m256i *)y[i].qs));
+        __m256i p1 = kvs_x86_dot_s8(_mm256_loadu_si256((const __m256i *)x[i + 1].qs), _mm256_loadu_si256((const __m256i *)y[i + 1].qs));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i].d) * KVS_F16(y[i].d)), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i + 1].d) * KVS_F16(y[i + 1].d)), _mm256_cvtepi32_ps(p1), acc1);
+    }
+    for (; i < nb; i++) {
+        __m256i p0 = kvs_x86_dot_s8(_mm256_loadu_si256((const __m256i *)x[i].qs), _mm256_loadu_si256((const __m256i *)y[i].qs));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i].d) * KVS_F16(y[i].d)), _mm256_cvtepi32_ps(p0), acc0);
+    }
+    return kvs_x86_hsum_ps(_mm256_add_ps(acc0, acc1));
+}
+
+static float kvs_x86_dot_q4_0(int64_t n, const void *w, const void *a)
+{
+    const kvs_block_q4_0 *x = w;
+    const kvs_block_q8_0 *y = a;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / KVS_QK; i++) {
+        __m256i p = kvs_x86_dot_s8(kvs_x86_unpack_q4_0(x[i].qs), _mm256_loadu_si256((const __m256i *)y[i].qs));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i].d) * KVS_F16(y[i].d)), _mm256_cvtepi32_ps(p), acc);
+    }
+    return kvs_x86_hsum_ps(acc);
+}
+
+/* One weight row against 4 activation rows: the weight block is loaded and
+ * unpacked once per 4 tokens. */
+#define KVS_X86_DOT4_LEGACY(NAME, WBLOCK, UNPACK)                                                    \
+    static void NAME(int64_t n, const void *w, const void *a, size_t a_stride, float out[4])       \
+    {                                                                                               \
+        const WBLOCK *x = w;                                                                        \
+        const kvs_block_q8_0 *y[4];                                                                 \
+        for (int t = 0; t < 4; t++)                                                                 \
+            y[t] = (const kvs_block_q8_0 *)((const char *)a + (size_t)t * a_stride);                \
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),            \
+                         _mm256_setzero_ps()};                                                      \
+        for (int64_t i = 0; i < n / KVS_QK; i++) {                                                  \
+            __m256i qw = UNPACK;                                                                    \
+            __m256i aw = _mm256_sign_epi8(qw, qw);                                                  \
+            float dw = KVS_F16(x[i].d);                                                             \
+            for (int t = 0; t < 4; t++) {                                                           \
+                __m256i qa = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)y[t][i].qs), qw); \
+                __m256i p = kvs_x86_dpbusd(_mm256_setzero_si256(), aw, qa);                         \
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * KVS_F16(y[t][i].d)),                   \
+                                         _mm256_cvtepi32_ps(p), acc[t]);                            \
+            }                                                                                       \
+        }                                                                                           \
+        for (int t = 0; t < 4; t++)                                                                 \
+            out[t] = kvs_x86_hsum_ps(acc[t]);                                                       \
+    }
+
+KVS_X86_DOT4_LEGACY(kvs_x86_dot4_q8_0, kvs_block_q8_0, _mm256_loadu_si256((const __m256i *)x[i].qs))
+KVS_X86_DOT4_LEGACY(kvs_x86_dot4_q4_0, kvs_block_q4_0, kvs_x86_unpack_q4_0(x[i].qs))
+
+/* --- K-quants against Q8_K ------------------------------------------------ */
+
+/* Q4_K/Q5_K: sub-block j's quants times activations, weighted by sc[j]
+ * (0..63), summed over the super-block. q <= 31 so q*a pairs fit int16. */
+static inline void kvs_x86_q4k_scales(const uint8_t *b, uint8_t sc[8], uint8_t mn[8])
+{
+    for (int j = 0; j < 8; j++)
+        kvs_q4k_scale_min(j, b, &sc[j], &mn[j]);
+}
+
+static inline int kvs_x86_kmins(const uint8_t mn[8], const int16_t *bsums)
+{
+    int m = 0;
+    for (int j = 0; j < 8; j++)
+        m += mn[j] * (bsums[2 * j] + bsums[2 * j + 1]);
+    return m;
+}
+
+/* Integer A of one Q4_K (hbits == NULL) or Q5_K super-block. */
+static inline int kvs_x86_qk45_sum(const uint8_t *qs, const uint8_t *qh, const uint8_t sc[8], const int8_t *aq)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i acc = _mm256_setzero_si256();
+    __m256i hb = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (qh) {
+            __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c))), b1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, b0), b0), _mm256_set1_epi8(16)));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, b1), b1), _mm256_set1_epi8(16)));
+        }
+        __m256i p0 = kvs_x86_dpbusd(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(aq + 64 * c)));
+        __m256i p1 = kvs_x86_dpbusd(_mm256_setzero_si256(), hi, _mm256_loadu_si256((const __m256i *)(aq + 64 * c + 32)));
+        acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(p0, _mm256_set1_epi32(sc[2 * c])));
+        acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(p1, _mm256_set1_epi32(sc[2 * c + 1])));
+    }
+    return kvs_x86_hsum_epi32(acc);
+}
+
+static float kvs_x86_dot_q4_K(int64_t n, const void *w, const void *a)
+{
+    const kvs_block_q4_K *x = w;
+    const kvs_block_q8_K *y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / KVS_QK_K; i++) {
+        uint8_t sc[8], mn[8];
+        kvs_x86_q4k_scales(x[i].scales, sc, mn);
+        int sa = kvs_x86_qk45_sum(x[i].qs, NULL, sc, y[i].qs);
+        int sm = kvs_x86_kmins(mn, y[i].bsums);
+        sum += KVS_F16(x[i].d) * y[i].d * (float)sa - KVS_F16(x[i].dmin) * y[i].d * (float)sm;
+    }
+    return sum;
+}
+
+static void kvs_x86_dot4_q4_K(int64_t n, const void *w, const void *a, size_t a_stride, float out[4])
+{
+    const kvs_block_q4_K *x = w;
+    float sum[4] = {0};
+    for (int64_t i = 0; i < n / KVS_QK_K; i++) {
+        uint8_t sc[8], mn[8];
+        kvs_x86_q4k_scales(x[i].scales, sc, mn);
+        float d = KVS_F16(x[i].d), dmin = KVS_F16(x[i].dmin);
+        for (int t = 0; t < 4; t++) {
+            const kvs_block_q8_K *y = (const kvs_block_q8_K *)((const char *)a + (size_t)t * a_stride) + i;
+            int sa = kvs_x86_qk45_sum(x[i].qs, NULL, sc, y->qs);
+            int sm = kvs_x86_kmins(mn, y->bsums);
+            sum[t] += d * y->d * (float)sa - dmin * y->d * (float)sm;
+        }
+    }
+    memcpy(out, sum, sizeof sum);
+}
+
+static float kvs_x86_dot_q5_K(int64_t n, const void *w, const void *a)
+{
+    const kvs_block_q5_K *x = w;
+    const kvs_block_q8_K *y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / KVS_QK_K; i++) {
+        uint8_t sc[8], mn[8];
+        kvs_x86_q4k_scales(x[i].scales, sc, mn);
+        int sa = kvs_x86_qk45_sum(x[i].qs, x[i].qh, sc, y[i].qs);
+        int sm = kvs_x86_kmins(mn, y[i].bsums);
+        sum += KVS_F16(x[i].d) * y[i].d * (float)sa - KVS_F16(x[i].dmin) * y[i].d * (float)sm;
+    }
+    return sum;
+}
+
+/* Q6_K: v = q + 32 in 0..63 (v*a pairs <= 16128 fit int16); the offset is
+ * taken back out as 32 * sum_s scale_s * bsums_s. */
+static inline int kvs_x86_q6k_sum(const kvs_block_q6_K *x, const int8_t *aq, const int16_t *bsums)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    __m256i acc = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        __m256i l0 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h));
+        __m256i l1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h + 32));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
+        __m256i v[4];
+        v[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+        v[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+        v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+        v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+        for (int g = 0; g < 4; g++) {
+            int s = 8 * h + 2 * g;
+            __m256i p = kvs_x86_dpbusd(_mm256_setzero_si256(), v[g], _mm256_loadu_si256((const __m256i *)(aq + 128 * h + 32 * g)));
+            __m256i scv = _mm256_set_m128i(_mm_set1_epi32(x->scales[s + 1]), _mm_set1_epi32(x->scales[s]));
+            acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(p, scv));
+        }
+    }
+    int off = 0;
+    for (int s = 0; s < 16; s++)
+        off += x->scales[s] * bsums[s];
+    return kvs_x86_hsum_epi32(acc) - 32 * off;
+}
+
+static float kvs_x86_dot_q6_K(int64_t n, const void *w, const void *a)
+{
+    const kvs_block_q6_K *x = w;
+    const kvs_block_q8_K *y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / KVS_QK_K; i++)
+        sum += KVS_F16(x[i].d) * y[i].d * (float)kvs_x86_q6k_sum(&x[i], y[i].qs, y[i].bsums);
+    return sum;
+}
+
+static void kvs_x86_dot4_q6_K(int64_t n, const void *w, const void *a, size_t a_stride, float out[4])
+{
+    const kvs_block_q6_K *x = w;
+    float sum[4] = {0};
+    for (int64_t i = 0; i < n / KVS_QK_K; i++) {
+        float d = KVS_F16(x[i].d);
+        for (int t = 0; t < 4; t++) {
+            const kvs_block_q8_K *y = (const kvs_block_q8_K *)((const char *)a + (size_t)t * a_stride) + i;
+            sum[t] += d * y->d * (float)kvs_x86_q6k_sum(&x[i], y->qs, y->bsums);
+        }
+    }
+    memcpy(out, sum, sizeof sum);
+}
+
+/* --- F16 x F16 ------------------------------------------------------------ */
+
+static float kvs_x86_dot_f16(int64_t n, const void *w, const void *a)
+{
+    const uint16_t *x = w, *y = a;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        for (int k = 0; k < 4; k++) {
+            __m256 vx = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i + 8 * k)));
+            __m256 vy = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(y + i + 8 * k)));
+            acc[k] = _mm256_fmadd_ps(vx, vy, acc[k]);
+        }
+    }
+    float s = kvs_x86_hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for (; i < n; i++)
+        s += KVS_F16(x[i]) * KVS_F16(y[i]);
+    return s;
+}
+
+/* Table entries shared by the AVX2 and AVX-512 tables. */
+#define KVS_X86_ENTRIES                                                                              \
+    .quant_act[KVS_TYPE_Q8_0] = kvs_x86_quant_q8_0, .quant_act[KVS_TYPE_Q8_1] = kvs_x86_quant_q8_1, \
+    .quant_act[KVS_TYPE_Q8_K] = kvs_x86_quant_q8_K, .dot[KVS_TYPE_Q8_0] = kvs_x86_dot_q8_0,          \
+    .dot[KVS_TYPE_Q4_0] = kvs_x86_dot_q4_0, .dot[KVS_TYPE_Q4_K] = kvs_x86_dot_q4_K,                 \
+    .dot[KVS_TYPE_Q5_K] = kvs_x86_dot_q5_K, .dot[KVS_TYPE_Q6_K] = kvs_x86_dot_q6_K,                 \
+    .dot[KVS_TYPE_F16] = kvs_x86_dot_f16, .dot4[KVS_TYPE_Q8_0] = kvs_x86_dot4_q8_0,                 \
+    .dot4[KVS_TYPE_Q4_0] = kvs_x86_dot4_q4_0, .dot4[KVS_TYPE_Q4_K] = kvs_x86_dot4_q4_K,             \
+    .dot4[KVS_TYPE_Q6_K] = kvs_x86_dot4_q6_K
+
+#endif
