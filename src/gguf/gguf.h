@@ -107,8 +107,26 @@ struct kvs_gguf; /* opaque: a parsed (and possibly mapped) GGUF file */
  * error and, if errbuf is not NULL, a message naming the problem (e.g.
  * "tensor 'blk.0.attn_q.weight': offset 4096 + 8192 bytes is past the end of
  * the data section (10000 bytes)"). *out is owned by the caller: free with
- * kvs_gguf_close. Errors: KVS_ERR_IO, KVS_ERR_FORMAT, KVS_ERR_TRUNCATED,
- * KVS_ERR_RANGE, KVS_ERR_UNSUPPORTED, KVS_ERR_NOMEM. */
+ * kvs_gguf_close. Errors: KVS_ERR_NOT_FOUND (no such file), KVS_ERR_IO,
+ * KVS_ERR_FORMAT, KVS_ERR_TRUNCATED, KVS_ERR_RANGE, KVS_ERR_UNSUPPORTED,
+ * KVS_ERR_NOMEM. Which problem gives which error (open and parse alike):
+ *   TRUNCATED    the file ends inside the header; a count (KVs, tensors,
+ *                array elements) or a string length needs more bytes than
+ *                the file has left; the data section or a tensor's bytes
+ *                extend past the end of the file.
+ *   UNSUPPORTED  version 1, version > 3, or a byte-swapped (big-endian) file.
+ *   FORMAT       bad magic; empty key or key with a NUL byte; duplicate key;
+ *                unknown value type; nested array or unknown element type;
+ *                general.alignment not a UINT32 nonzero power of two; tensor
+ *                name empty, >= KVS_GGUF_MAX_NAME bytes or with a NUL;
+ *                duplicate tensor name; n_dims 0 or > 4; a dimension <= 0;
+ *                invalid tensor type id; ne[0] not a multiple of the block
+ *                size; offset not a multiple of the alignment; two tensors'
+ *                byte ranges overlap (gaps are allowed: only alignment is
+ *                required, not llama.cpp's strict packing).
+ *   RANGE        element count or byte size overflows 64 bits.
+ * A data section starting past the end of the file is accepted when the file
+ * has no tensors (vocab-only files are not padded). */
 kvs_err kvs_gguf_open(const char *path, struct kvs_gguf **out, char *errbuf, size_t errlen);
 
 /* Parses a GGUF header from memory: buf holds the first len bytes of a file
@@ -118,7 +136,9 @@ kvs_err kvs_gguf_open(const char *path, struct kvs_gguf **out, char *errbuf, siz
  * count that is worth fetching (at least len + 1). Tensor ranges are checked
  * against file_size; tensor `data` pointers are set only where the tensor
  * lies inside buf. buf must outlive the returned object (it is borrowed, not
- * copied). */
+ * copied). With len == file_size a cut header gives KVS_ERR_TRUNCATED. A
+ * prefix that does not start with "GGUF" fails at once (KVS_ERR_FORMAT).
+ * Memory use is bounded by a small multiple of the bytes parsed. */
 kvs_err kvs_gguf_parse(const void *buf, size_t len, uint64_t file_size, struct kvs_gguf **out,
                        size_t *need, char *errbuf, size_t errlen);
 
