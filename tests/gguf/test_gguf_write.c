@@ -342,7 +342,7 @@ static void test_truncation_sweep(void **state)
         else
             assert_int_equal(e, KVS_OK);
         kvs_gguf_close(g);
-        if (len % 7 == 0 || len + 40 > n) { /* open() on a sample of prefixes, all near the end */
+        { /* open() of a truncated copy */
             FILE *fo = fopen(cut, "wb");
             assert_non_null(fo);
             assert_int_equal(fwrite(b, 1, len, fo), len);
