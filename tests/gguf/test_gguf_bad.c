@@ -86,6 +86,17 @@ static void c_valid_v2(struct bb *b)
     tinfo(b, "t", 1, NE8, 0, 0);
     data(b, 32);
 }
+/* Tensors out of order with a gap: allowed (only alignment is required). */
+static void c_valid_gap(struct bb *b)
+{
+    hdr(b, 3, 2, 1);
+    kv_u32(b, "general.alignment", 64);
+    tinfo(b, "late", 1, NE8, 0, 128);
+    tinfo(b, "early", 1, NE8, 0, 0);
+    while (b->n % 64)
+        u8(b, 0);
+    data(b, 160);
+}
 static void c_bad_magic(struct bb *b)
 {
     put(b, "GGUG", 4);
@@ -314,6 +325,7 @@ struct bad_case {
 
 static const struct bad_case k_cases[] = {
     { "valid v2 file", c_valid_v2, KVS_OK, "" },
+    { "valid: gap and reversed order", c_valid_gap, KVS_OK, "" },
     { "bad magic", c_bad_magic, KVS_ERR_FORMAT, "bad magic" },
     { "version 1", c_version1, KVS_ERR_UNSUPPORTED, "bad version 1" },
     { "version 4", c_version4, KVS_ERR_UNSUPPORTED, "bad version 4" },
@@ -371,6 +383,13 @@ static void test_bad_table(void **state)
         assert_int_equal(e, c->err);
         assert_non_null(strstr(err, c->msg));
         assert_true((g != NULL) == (c->err == KVS_OK));
+        if (c->build == c_valid_gap) {
+            assert_int_equal(kvs_gguf_alignment(g), 64);
+            assert_int_equal(kvs_gguf_data_offset(g) % 64, 0);
+            const struct kvs_gguf_tensor *t = kvs_gguf_find_tensor(g, "late");
+            assert_non_null(t);
+            assert_ptr_equal(t->data, b->b + kvs_gguf_data_offset(g) + 128);
+        }
         kvs_gguf_close(g);
 
         /* The same bytes as a file. */
