@@ -204,7 +204,12 @@ void kvs_gguf_fingerprint_hex(const uint8_t fp[32], char hex[65]);
 /* --- writer (GGUF v3) ----------------------------------------------------- */
 struct kvs_gguf_writer; /* opaque */
 
-/* New empty writer with alignment 32. Free with kvs_gguf_writer_free. */
+/* New empty writer with alignment 32. Free with kvs_gguf_writer_free.
+ * Setting (or copying) `general.alignment` changes the layout alignment; it
+ * must be a UINT32 nonzero power of two, else the set returns KVS_ERR_ARG.
+ * Setters return KVS_ERR_ARG for an empty key and KVS_ERR_NOMEM on
+ * allocation failure. add_tensor returns KVS_ERR_ARG for a bad or duplicate
+ * name, bad shape or type, or a byte count that does not match. */
 struct kvs_gguf_writer *kvs_gguf_writer_create(void);
 void kvs_gguf_writer_free(struct kvs_gguf_writer *w);
 
