@@ -80,6 +80,37 @@ static void print_ids(const char *what, const int32_t *ids, int64_t n)
     fprintf(stderr, "\n");
 }
 
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ids must detokenize back to text[0..len) (SPM: minus the space prefix). */
+static bool round_trip(const struct kvs_tokenizer *t, bool spm, const int32_t *ids, int64_t n, const char *text,
+                       size_t len)
+{
+    size_t cap = len + 64;
+    char *buf = malloc(cap);
+    size_t o = 0;
+    struct kvs_detok d;
+    kvs_detok_init(&d, t, spm);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t k = kvs_detok_push(&d, ids[i], buf + o, cap - o);
+        assert_true(k >= 0);
+        o += (size_t)k;
+    }
+    int64_t k = kvs_detok_flush(&d, buf + o, cap - o);
+    assert_true(k >= 0);
+    o += (size_t)k;
+    bool ok = o == len && !memcmp(buf, text, len);
+    if (!ok)
+        fprintf(stderr, "round trip: want \"%.*s\"\n            got  \"%.*s\"\n", (int)len, text, (int)o, buf);
+    free(buf);
+    return ok;
+}
+
 static void run_vectors(const char *name)
 {
     char rel[256], path[1024];
@@ -99,6 +130,7 @@ static void run_vectors(const char *name)
     char *p = inp, *end = inp + inlen;
     char *line = outp;
     int n_cases = 0, n_fail = 0;
+    bool spm = strstr(name, "spm") != NULL;
     int32_t ids[4096], want[4096];
     while (p < end) {
         char *s = memmem(p, (size_t)(end - p), sep, seplen);
@@ -134,11 +166,31 @@ static void run_vectors(const char *name)
             print_ids("want", want, nw);
             print_ids("got ", ids, n);
         }
+        if (!round_trip(t, spm, ids, n, p, slen))
+            n_fail++;
         p = s + seplen;
     }
-    fprintf(stderr, "# %s: %d/%d cases match\n", name, n_cases - n_fail, n_cases);
+    fprintf(stderr, "# %s: %d/%d cases match and round-trip\n", name, n_cases - n_fail, n_cases);
     assert_int_equal(n_cases, 46);
     assert_int_equal(n_fail, 0);
+
+    /* Long text: the whole .inp file 100 times (about 190 KiB) must
+     * tokenize quickly (priority-queue merges, no quadratic rescans) and
+     * round-trip. */
+    size_t blen = 100 * inlen;
+    char *big = malloc(blen);
+    for (int r = 0; r < 100; r++)
+        memcpy(big + (size_t)r * inlen, inp, inlen);
+    int64_t nb = kvs_tokenize(t, big, blen, false, false, NULL, 0);
+    assert_true(nb > 0);
+    int32_t *bids = malloc((size_t)nb * sizeof *bids);
+    double t0 = now_s();
+    assert_int_equal(kvs_tokenize(t, big, blen, false, false, bids, nb), nb);
+    double dt = now_s() - t0;
+    fprintf(stderr, "# %s: %zu bytes -> %lld tokens in %.3f s\n", name, blen, (long long)nb, dt);
+    assert_true(round_trip(t, spm, bids, nb, big, blen));
+    free(bids);
+    free(big);
     free(inp);
     free(outp);
     kvs_tokenizer_free(t);
