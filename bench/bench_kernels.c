@@ -1,0 +1,99 @@
+/* Kernel benchmark: weight-streaming GB/s of matrix-vector products (decode)
+ * per type with 1 and 2 threads, prefill GFLOP/s (n_tok = 32), beside the
+ * machine's read bandwidth measured in the same run.
+ *
+ * usage: bench_kernels [weight MiB per type (default 256)] [bandwidth MiB (default 1024)]
+ * KVASIR_ISA=scalar|avx2|avx512 picks the kernel table. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench_util.h"
+#include "kernels/kernels.h"
+
+static long arg_mib(int argc, char **argv, int i, long def)
+{
+    if (argc <= i)
+        return def;
+    char *end;
+    long v = strtol(argv[i], &end, 10);
+    if (*end || v < 1 || v > 65536) {
+        fprintf(stderr, "bad size '%s' (MiB, 1..65536)\n", argv[i]);
+        exit(2);
+    }
+    return v;
+}
+
+int main(int argc, char **argv)
+{
+    long w_mib = arg_mib(argc, argv, 1, 256), bw_mib = arg_mib(argc, argv, 2, 1024);
+    const struct kvs_kernels *k = kvs_kernels_best();
+    printf("kernels: %s\n", kvs_isa_name(kvs_kernels_isa(k)));
+    for (int nt = 1; nt <= 2; nt++)
+        printf("read bandwidth (%ld MiB, %d thread%s): %.1f GB/s\n", bw_mib, nt, nt > 1 ? "s" : "",
+               kvs_bench_read_gbps((size_t)bw_mib << 20, nt, 3));
+
+    static const enum kvs_type types[] = {KVS_TYPE_Q8_0, KVS_TYPE_Q4_0, KVS_TYPE_Q4_K, KVS_TYPE_Q6_K,
+                                          KVS_TYPE_Q5_K, KVS_TYPE_F16};
+    const int64_t K = 4096, T = 32;
+    struct kvs_pool *pools[2] = {NULL, NULL};
+    for (int i = 0; i < 2; i++) {
+        if (kvs_pool_create(i + 1, &pools[i]) != KVS_OK) {
+            fprintf(stderr, "pool create failed\n");
+            return 1;
+        }
+    }
+    float *x = malloc(sizeof(float) * (size_t)(K * T));
+    float *y = NULL;
+    for (int64_t i = 0; i < K * T; i++)
+        x[i] = (float)((i * 7919) % 2001 - 1000) / 1000.0f;
+    printf("%-6s %10s %12s %12s %14s %14s\n", "type", "rows", "1t GB/s", "2t GB/s", "pf32 1t GF/s",
+           "pf32 2t GF/s");
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        enum kvs_type t = types[ti];
+        size_t rb = kvs_type_row_bytes(t, K);
+        int64_t N = (int64_t)(((size_t)w_mib << 20) / rb);
+        uint8_t *w = malloc(rb * (size_t)N);
+        y = realloc(y, sizeof(float) * (size_t)(N > 4096 ? N : 4096) * (size_t)T);
+        void *scratch = malloc(kvs_matmul_scratch_bytes(t, K, T) + 64);
+        if (!w || !y || !scratch) {
+            fprintf(stderr, "out of memory\n");
+            return 1;
+        }
+        memset(w, 0x11, rb * (size_t)N); /* f16 scales 0x1111: small normal numbers */
+        struct kvs_matrix W = {.type = t, .ne0 = K, .ne1 = N, .row_bytes = rb, .data = w};
+        double gbs[2], gfs[2];
+        for (int p = 0; p < 2; p++) {
+            kvs_matmul(k, pools[p], &W, x, 1, y, scratch); /* warm-up (page faults) */
+            double best = 1e30;
+            for (int r = 0; r < 5; r++) {
+                double t0 = kvs_bench_now();
+                kvs_matmul(k, pools[p], &W, x, 1, y, scratch);
+                double dt = kvs_bench_now() - t0;
+                best = dt < best ? dt : best;
+            }
+            gbs[p] = (double)rb * (double)N / best / 1e9;
+            /* prefill: a 4096 x 4096 slice, 32 tokens */
+            struct kvs_matrix Wp = W;
+            Wp.ne1 = N < 4096 ? N : 4096;
+            kvs_matmul(k, pools[p], &Wp, x, T, y, scratch);
+            best = 1e30;
+            for (int r = 0; r < 3; r++) {
+                double t0 = kvs_bench_now();
+                kvs_matmul(k, pools[p], &Wp, x, T, y, scratch);
+                double dt = kvs_bench_now() - t0;
+                best = dt < best ? dt : best;
+            }
+            gfs[p] = 2.0 * (double)K * (double)Wp.ne1 * (double)T / best / 1e9;
+        }
+        printf("%-6s %10lld %12.1f %12.1f %14.1f %14.1f\n", kvs_type_name(t), (long long)N, gbs[0], gbs[1],
+               gfs[0], gfs[1]);
+        free(w);
+        free(scratch);
+    }
+    free(x);
+    free(y);
+    for (int i = 0; i < 2; i++)
+        kvs_pool_destroy(pools[i]);
+    return 0;
+}

@@ -1,0 +1,83 @@
+/* Small helpers shared by the benchmarks (header-only, static inline). */
+#ifndef KVS_BENCH_UTIL_H
+#define KVS_BENCH_UTIL_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* Monotonic wall clock in seconds. */
+static inline double kvs_bench_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+struct kvs_bench_bw_part {
+    const uint64_t *p;
+    size_t n;        /* u64 words */
+    uint64_t sum;    /* result, keeps the loads alive */
+};
+
+static inline void *kvs_bench_bw_worker(void *arg)
+{
+    struct kvs_bench_bw_part *part = arg;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    size_t i = 0;
+    for (; i + 4 <= part->n; i += 4) {
+        s0 += part->p[i];
+        s1 += part->p[i + 1];
+        s2 += part->p[i + 2];
+        s3 += part->p[i + 3];
+    }
+    for (; i < part->n; i++)
+        s0 += part->p[i];
+    part->sum = s0 + s1 + s2 + s3;
+    return NULL;
+}
+
+/* Memory read bandwidth in GB/s (1e9 bytes/s): n_threads threads (1..64)
+ * each sum their contiguous share of a `bytes` buffer (e.g. 1 GiB, well above
+ * the last-level cache); best of `reps` passes after one warm-up pass.
+ * Returns 0 on allocation failure. */
+static inline double kvs_bench_read_gbps(size_t bytes, int n_threads, int reps)
+{
+    if (n_threads < 1 || n_threads > 64 || bytes < 64 * (size_t)n_threads)
+        return 0.0;
+    size_t words = bytes / 8;
+    uint64_t *buf = malloc(words * 8);
+    if (!buf)
+        return 0.0;
+    for (size_t i = 0; i < words; i++)
+        buf[i] = i;
+    struct kvs_bench_bw_part parts[64];
+    pthread_t th[64];
+    double best = 0.0;
+    volatile uint64_t sink = 0;
+    for (int r = 0; r <= reps; r++) {
+        double t0 = kvs_bench_now();
+        for (int t = 0; t < n_threads; t++) {
+            size_t a = words * (size_t)t / (size_t)n_threads, b = words * (size_t)(t + 1) / (size_t)n_threads;
+            parts[t] = (struct kvs_bench_bw_part){.p = buf + a, .n = b - a};
+            if (t > 0)
+                pthread_create(&th[t], NULL, kvs_bench_bw_worker, &parts[t]);
+        }
+        kvs_bench_bw_worker(&parts[0]);
+        for (int t = 1; t < n_threads; t++)
+            pthread_join(th[t], NULL);
+        double dt = kvs_bench_now() - t0;
+        for (int t = 0; t < n_threads; t++)
+            sink += parts[t].sum;
+        double gbs = (double)(words * 8) / dt / 1e9;
+        if (r > 0 && gbs > best)
+            best = gbs;
+    }
+    (void)sink;
+    free(buf);
+    return best;
+}
+
+#endif
