@@ -1,0 +1,252 @@
+/* Inventory and manifest JSON (docs/PLAN.md, docs/MANIFEST.md), the model
+ * profile of a real file, and the header-only read over HTTP ranges. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "gguf/gguf.h"
+#include "plan/plan.h"
+#include "shard/shard.h"
+
+static char g_err[512];
+
+static kvs_err inv_parse(const char *s, struct kvs_plan_inventory *inv)
+{
+    g_err[0] = '\0';
+    return kvs_plan_inventory_parse(s, strlen(s), inv, g_err, sizeof g_err);
+}
+
+static void test_inventory_ok(void **state)
+{
+    (void)state;
+    struct kvs_plan_inventory *inv = malloc(sizeof *inv);
+    assert_non_null(inv);
+    const char *doc = "{\"relay\": {\"rtt_ms\": 25.5}, \"devices\": ["
+                      "{\"name\": \"g\", \"backend\": \"cuda\", \"mem_bytes\": 24000000000, \"decode_gbps\": 900,"
+                      " \"prefill_gflops\": 5000, \"rtt_ms\": 0.5, \"bandwidth_mbps\": 10000, \"threads\": 4,"
+                      " \"addr\": \"10.0.0.5:7001\"},"
+                      "{\"name\": \"p\", \"mem_bytes\": 1000, \"decode_gbps\": 2.5, \"accepts_inbound\": false}]}";
+    assert_int_equal(inv_parse(doc, inv), KVS_OK);
+    assert_int_equal(inv->n_devices, 2);
+    assert_true(inv->relay_rtt_ms == 25.5);
+    assert_string_equal(inv->devices[0].name, "g");
+    assert_int_equal(inv->devices[0].backend, KVS_PLAN_BACKEND_CUDA);
+    assert_int_equal(inv->devices[0].mem_bytes, 24000000000ull);
+    assert_true(inv->devices[0].decode_gbps == 900);
+    assert_true(inv->devices[0].rtt_ms == 0.5);
+    assert_int_equal(inv->devices[0].threads, 4);
+    assert_string_equal(inv->devices[0].addr, "10.0.0.5:7001");
+    assert_true(inv->devices[0].accepts_inbound);
+    /* Defaults: cpu, 1 ms, 1000 Mbit/s, 1 thread, no addr. */
+    assert_int_equal(inv->devices[1].backend, KVS_PLAN_BACKEND_CPU);
+    assert_true(inv->devices[1].rtt_ms == 1.0);
+    assert_true(inv->devices[1].bandwidth_mbps == 1000.0);
+    assert_int_equal(inv->devices[1].threads, 1);
+    assert_string_equal(inv->devices[1].addr, "");
+    assert_false(inv->devices[1].accepts_inbound);
+    /* A bare array; relay default 40 ms. */
+    assert_int_equal(inv_parse("[{\"name\": \"x\", \"mem_bytes\": 5, \"decode_gbps\": 1}]", inv), KVS_OK);
+    assert_true(inv->relay_rtt_ms == 40.0);
+    free(inv);
+}
+
+static void test_inventory_errors(void **state)
+{
+    (void)state;
+    struct kvs_plan_inventory *inv = malloc(sizeof *inv);
+    assert_non_null(inv);
+    static const struct {
+        const char *doc;
+        const char *needle;
+    } bad[] = {
+        { "", "JSON error" },
+        { "{\"devices\": []}", "non-empty" },
+        { "{\"devices\": [{\"mem_bytes\": 5, \"decode_gbps\": 1}]}", "\"name\"" },
+        { "[{\"name\": \"a\", \"mem_bytes\": 0, \"decode_gbps\": 1}]", "mem_bytes" },
+        { "[{\"name\": \"a\", \"mem_bytes\": 1.5, \"decode_gbps\": 1}]", "mem_bytes" },
+        { "[{\"name\": \"a\", \"mem_bytes\": 5, \"decode_gbps\": 0}]", "decode_gbps" },
+        { "[{\"name\": \"a\", \"mem_bytes\": 5, \"decode_gbps\": 1, \"backend\": \"tpu\"}]", "backend" },
+        { "[{\"name\": \"a\", \"mem_bytes\": 5, \"decode_gbps\": 1, \"rtt_ms\": -1}]", "rtt_ms" },
+        { "[{\"name\": \"a\", \"mem_bytes\": 5, \"decode_gbps\": 1, \"bandwidth_mbps\": 0}]", "bandwidth_mbps" },
+        { "[{\"name\": \"a\", \"mem_bytes\": 5, \"decode_gbps\": 1, \"accepts_inbound\": 1}]", "accepts_inbound" },
+        { "[{\"name\": \"a\", \"mem_bytes\": 5, \"decode_gbps\": 1, \"threads\": 0}]", "threads" },
+        { "[{\"name\": \"a\", \"mem_bytes\": 5, \"decode_gbps\": 1, \"addr\": \"nohost\"}]", "addr" },
+        { "[{\"name\": \"a\", \"mem_bytes\": 5, \"decode_gbps\": 1, \"addr\": \"h:70000\"}]", "addr" },
+        { "[{\"name\": \"a\", \"mem_bytes\": 5, \"decode_gbps\": 1}, {\"name\": \"a\", \"mem_bytes\": 5, "
+          "\"decode_gbps\": 1}]",
+          "twice" },
+        { "{\"relay\": {\"rtt_ms\": \"x\"}, \"devices\": [{\"name\": \"a\", \"mem_bytes\": 5, \"decode_gbps\": 1}]}",
+          "relay" },
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvs_err e = inv_parse(bad[i].doc, inv);
+        if (e != KVS_ERR_FORMAT || !strstr(g_err, bad[i].needle))
+            fail_msg("case %zu: %s / '%s' (wanted FORMAT naming %s)", i, kvs_strerror(e), g_err, bad[i].needle);
+        assert_int_equal(inv->n_devices, 0);
+    }
+    /* 65 devices: too many. */
+    size_t cap = 65 * 80 + 16;
+    char *doc = malloc(cap);
+    assert_non_null(doc);
+    size_t n = (size_t)snprintf(doc, cap, "[");
+    for (int i = 0; i < 65; i++)
+        n += (size_t)snprintf(doc + n, cap - n, "%s{\"name\": \"d%d\", \"mem_bytes\": 5, \"decode_gbps\": 1}",
+                              i ? "," : "", i);
+    snprintf(doc + n, cap - n, "]");
+    assert_int_equal(inv_parse(doc, inv), KVS_ERR_RANGE);
+    free(doc);
+    free(inv);
+}
+
+static void test_manifest_parse(void **state)
+{
+    (void)state;
+    struct kvs_manifest *mf = malloc(sizeof *mf);
+    assert_non_null(mf);
+    const char *ok = "{\"kvasir_manifest\": 1, \"model\": {\"path\": \"m.gguf\", \"url\": null, \"fingerprint\": "
+                     "\"ab\", \"n_block\": 4}, \"ranks\": ["
+                     "{\"rank\": 0, \"device\": \"a\", \"window\": [0, 3], \"listen\": \"127.0.0.1:7001\", "
+                     "\"next\": \"127.0.0.1:7002\", \"threads\": 2},"
+                     "{\"rank\": 1, \"window\": [3, 4], \"listen\": \"127.0.0.1:7002\", \"next\": "
+                     "\"127.0.0.1:7001\"}]}";
+    assert_int_equal(kvs_manifest_parse(ok, strlen(ok), mf, g_err, sizeof g_err), KVS_OK);
+    assert_int_equal(mf->n_ranks, 2);
+    assert_int_equal(mf->n_block, 4);
+    assert_string_equal(mf->model_path, "m.gguf");
+    assert_string_equal(mf->model_url, "");
+    assert_int_equal(mf->ranks[0].end, 3);
+    assert_int_equal(mf->ranks[0].threads, 2);
+    assert_int_equal(mf->ranks[1].threads, 1);
+    assert_string_equal(mf->ranks[1].next, "127.0.0.1:7001");
+    static const struct {
+        const char *doc;
+        kvs_err err;
+    } bad[] = {
+        { "{\"kvasir_manifest\": 2, \"model\": {\"n_block\": 1}, \"ranks\": []}", KVS_ERR_UNSUPPORTED },
+        { "{\"model\": {\"n_block\": 1}}", KVS_ERR_FORMAT },
+        { "{\"kvasir_manifest\": 1, \"model\": {\"n_block\": 0}, \"ranks\": []}", KVS_ERR_FORMAT },
+        /* gap: [0,1) then [2,4) */
+        { "{\"kvasir_manifest\": 1, \"model\": {\"n_block\": 4}, \"ranks\": [{\"rank\": 0, \"window\": [0, 1], "
+          "\"listen\": \"h:1\", \"next\": \"h:2\"}, {\"rank\": 1, \"window\": [2, 4], \"listen\": \"h:2\", "
+          "\"next\": \"h:1\"}]}",
+          KVS_ERR_RANGE },
+        /* does not cover the last block */
+        { "{\"kvasir_manifest\": 1, \"model\": {\"n_block\": 4}, \"ranks\": [{\"rank\": 0, \"window\": [0, 3], "
+          "\"listen\": \"h:1\", \"next\": \"h:1\"}]}",
+          KVS_ERR_RANGE },
+        /* wrong rank number */
+        { "{\"kvasir_manifest\": 1, \"model\": {\"n_block\": 4}, \"ranks\": [{\"rank\": 1, \"window\": [0, 4], "
+          "\"listen\": \"h:1\", \"next\": \"h:1\"}]}",
+          KVS_ERR_FORMAT },
+        /* bad address */
+        { "{\"kvasir_manifest\": 1, \"model\": {\"n_block\": 4}, \"ranks\": [{\"rank\": 0, \"window\": [0, 4], "
+          "\"listen\": \"h\", \"next\": \"h:1\"}]}",
+          KVS_ERR_FORMAT },
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvs_err e = kvs_manifest_parse(bad[i].doc, strlen(bad[i].doc), mf, g_err, sizeof g_err);
+        if (e != bad[i].err)
+            fail_msg("case %zu: %s (%s), wanted %s", i, kvs_strerror(e), g_err, kvs_strerror(bad[i].err));
+        assert_int_equal(mf->n_ranks, 0);
+    }
+    free(mf);
+}
+
+/* Profile of a real file: qwen3-q8_0.gguf (models/README.md: 4 blocks,
+ * n_embd 128, 4 heads of 64, 2 KV heads, FFN 384, tied output, Q8_0). */
+static void test_profile_qwen3_tied(void **state)
+{
+    (void)state;
+    const char *shared = getenv("KVASIR_SHARED");
+    char path[1024];
+    snprintf(path, sizeof path, "%s/models/qwen3-q8_0.gguf", shared ? shared : "../shared");
+    struct kvs_gguf *g = NULL;
+    assert_int_equal(kvs_gguf_open(path, &g, g_err, sizeof g_err), KVS_OK);
+    struct kvs_plan_model *m = NULL;
+    assert_int_equal(kvs_plan_model_from_gguf(g, &m, g_err, sizeof g_err), KVS_OK);
+    assert_int_equal(m->n_block, 4);
+    assert_int_equal(m->n_embd, 128);
+    /* 2 (K, V) * 2 KV heads * 64 * 2 bytes */
+    assert_int_equal(m->block_kv_bytes[0], 512);
+    const struct kvs_gguf_tensor *embd = kvs_gguf_find_tensor(g, "token_embd.weight");
+    assert_non_null(embd);
+    assert_null(kvs_gguf_find_tensor(g, "output.weight"));
+    assert_int_equal(m->head_bytes, embd->bytes);
+    assert_int_equal(m->tied_bytes, embd->bytes);
+    /* tail: output_norm (128 F32) + the tied embedding */
+    assert_int_equal(m->tail_bytes, 512 + embd->bytes);
+    assert_int_equal(m->n_vocab, embd->ne[1]);
+    /* Block 0 by hand: q {128,256}, k/v {128,128}, o {256,128}, gate/up {128,384},
+     * down {384,128} in Q8_0 (34 bytes / 32); norms attn/ffn 128 F32, q/k norm 64 F32. */
+    uint64_t q8 = (128 * 256 + 2 * 128 * 128 + 256 * 128 + 3 * 128 * 384) / 32 * 34;
+    uint64_t f = (2 * 128 + 2 * 64) * 4;
+    assert_int_equal(m->block_weight_bytes[0], q8 + f);
+    assert_int_equal(m->block_stream_bytes[0], q8 + f);
+    /* Single device: the tied embedding is held once. */
+    uint64_t whole = kvs_plan_window_mem(m, &(struct kvs_plan_targets){ .ctx = 1, .seqs = 1, .ubatch = 1 }, 0, 4);
+    uint64_t blocks = 0;
+    for (int b = 0; b < 4; b++)
+        blocks += m->block_weight_bytes[b] + 512;
+    assert_int_equal(whole, blocks + m->common_bytes + embd->bytes + 512 + 128 * 4 * 8 + m->n_vocab * 4);
+    free(m);
+    kvs_gguf_close(g);
+}
+
+/* Header over HTTP ranges from the shard module's seed server: the profile
+ * equals the one from the file. */
+static void test_fetch_header(void **state)
+{
+    (void)state;
+    const char *shared = getenv("KVASIR_SHARED");
+    char dir[1024], path[1100];
+    snprintf(dir, sizeof dir, "%s/models", shared ? shared : "../shared");
+    snprintf(path, sizeof path, "%s/llama-q4_k_m.gguf", dir);
+    struct kvs_seed_params sp = kvs_seed_default_params();
+    sp.dir = dir;
+    sp.port = 0;
+    struct kvs_seed *seed = NULL;
+    assert_int_equal(kvs_seed_start(&sp, &seed, g_err, sizeof g_err), KVS_OK);
+    char url[256];
+    snprintf(url, sizeof url, "http://127.0.0.1:%u/llama-q4_k_m.gguf", kvs_seed_port(seed));
+    uint8_t *buf = NULL;
+    struct kvs_gguf *hg = NULL, *fg = NULL;
+    kvs_err e = kvs_plan_fetch_header(url, &buf, &hg, g_err, sizeof g_err);
+    if (e)
+        fail_msg("fetch: %s (%s)", kvs_strerror(e), g_err);
+    assert_int_equal(kvs_gguf_open(path, &fg, g_err, sizeof g_err), KVS_OK);
+    assert_int_equal(kvs_gguf_file_size(hg), kvs_gguf_file_size(fg));
+    struct kvs_plan_model *a = NULL, *b = NULL;
+    assert_int_equal(kvs_plan_model_from_gguf(hg, &a, g_err, sizeof g_err), KVS_OK);
+    assert_int_equal(kvs_plan_model_from_gguf(fg, &b, g_err, sizeof g_err), KVS_OK);
+    assert_memory_equal(a, b, sizeof *a);
+    assert_int_equal(a->n_block, 3);
+    assert_int_equal(strlen(a->fingerprint), 64);
+    /* A missing file is a network error, not a crash. */
+    snprintf(url, sizeof url, "http://127.0.0.1:%u/nope.gguf", kvs_seed_port(seed));
+    uint8_t *buf2 = NULL;
+    struct kvs_gguf *g2 = NULL;
+    assert_int_equal(kvs_plan_fetch_header(url, &buf2, &g2, g_err, sizeof g_err), KVS_ERR_NET);
+    assert_null(g2);
+    free(a);
+    free(b);
+    kvs_gguf_close(hg);
+    kvs_gguf_close(fg);
+    free(buf);
+    kvs_seed_stop(seed);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_inventory_ok),       cmocka_unit_test(test_inventory_errors),
+        cmocka_unit_test(test_manifest_parse),     cmocka_unit_test(test_profile_qwen3_tied),
+        cmocka_unit_test(test_fetch_header),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
