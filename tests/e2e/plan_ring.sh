@@ -98,6 +98,24 @@ grep -Eq '^\{"name": "probe", "backend": "cpu", "mem_bytes": [0-9]+, "decode_gbp
 { echo '['; cat "$dir/probe.json"; echo ']'; } >"$dir/probe_inv.json"
 "$KVASIR_BIN" plan -m "$model" --devices "$dir/probe_inv.json" --ctx 128 -o "$dir/one.json" >/dev/null
 
+# --url: the header over HTTP ranges from `kvasir seed` gives the same plan
+# (the manifest differs only in model.path / model.url).
+help=$("$KVASIR_BIN" seed --help 2>&1 || true)
+case "$help" in
+    *--port-file*)
+        "$KVASIR_BIN" seed "$KVASIR_SHARED/models" --port 0 --port-file "$dir/port" 2>"$dir/seed.err" &
+        pids+=("$!")
+        for _ in $(seq 100); do [ -s "$dir/port" ] && break; sleep 0.05; done
+        [ -s "$dir/port" ] || { echo "seed did not start"; exit 1; }
+        url="http://127.0.0.1:$(cat "$dir/port")/aidreams260K.gguf"
+        "$KVASIR_BIN" plan --url "$url" --devices "$dir/devices.json" --ctx 128 -o "$dir/ring_url.json" >/dev/null
+        a=$(tr -d ' \n' <"$dir/ring.json" | sed 's/"path":"[^"]*","url":null/X/')
+        b=$(tr -d ' \n' <"$dir/ring_url.json" | sed 's/"path":null,"url":"[^"]*"/X/')
+        [ "$a" = "$b" ] || { echo "plan --url differs from plan -m"; echo "$a"; echo "$b"; exit 1; }
+        ;;
+    *) echo "skip --url check: kvasir seed is not built" ;;
+esac
+
 # --- the ring itself ---------------------------------------------------------
 help=$("$KVASIR_BIN" stage --help 2>&1 || true)
 case "$help" in
