@@ -22,7 +22,7 @@ static void usage(FILE *f)
             "BEGIN..END-1 (the embedding if BEGIN is 0, the output head if END is the block count).\n"
             "fetch downloads only those bytes with HTTP range requests; a rerun resumes.\n"
             "On success fetch prints one line: 'fetched header_bytes=.. data_bytes=.. window_bytes=..\n"
-            "skipped_bytes=.. requests=.. tensors=.. resumed=.. verified=yes|no'.\n");
+            "skipped_bytes=.. header_reused_bytes=.. requests=.. tensors=.. resumed=.. verified=yes|no'.\n");
 }
 
 static bool parse_u64_arg(const char *s, uint64_t *v)
@@ -152,8 +152,8 @@ static int cmd_fetch(int argc, char **argv)
         return 1;
     }
     printf("fetched header_bytes=%" PRIu64 " data_bytes=%" PRIu64 " window_bytes=%" PRIu64 " skipped_bytes=%" PRIu64
-           " requests=%u tensors=%u resumed=%u verified=%s\n",
-           st.header_bytes, st.data_bytes, st.window_bytes, st.skipped_bytes, st.n_requests, st.n_tensors,
+           " header_reused_bytes=%" PRIu64 " requests=%u tensors=%u resumed=%u verified=%s\n",
+           st.header_bytes, st.data_bytes, st.window_bytes, st.skipped_bytes, st.header_reused_bytes, st.n_requests, st.n_tensors,
            st.n_resumed, st.verified ? "yes" : "no");
     return 0;
 }

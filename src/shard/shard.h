@@ -141,7 +141,8 @@ struct kvs_shard_fetch_params kvs_shard_fetch_default_params(void);
 /* What a fetch did (all byte counts are response-body bytes received). */
 struct kvs_shard_fetch_stats {
     uint64_t header_bytes;   /* bytes read for the source header */
-    uint64_t data_bytes;     /* bytes of tensor ranges received in this run */
+    uint64_t data_bytes;     /* bytes of tensor ranges received in this run (incl. padding) */
+    uint64_t header_reused_bytes; /* tensor bytes taken from the header read */
     uint64_t window_bytes;   /* sum of the window's tensor sizes */
     uint64_t skipped_bytes;  /* tensor bytes already done by an earlier run */
     uint32_t n_requests;     /* HTTP requests made */

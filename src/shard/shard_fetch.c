@@ -20,6 +20,9 @@
 #include "shard/shard_impl.h"
 
 #define FETCH_MAX_INDEX (512u * 1024 * 1024) /* largest index document downloaded */
+/* Runs are cut at tensor boundaries past this span, so that a long download
+ * re-checks the source's ETag now and then. */
+#define FETCH_MAX_REQUEST (256ull * 1024 * 1024)
 #define FETCH_STATE_EVERY_NS 500000000ll     /* state file rewritten at most twice a second */
 
 /* One tensor of the window, in shard order. */
@@ -73,6 +76,7 @@ struct fetch {
     /* progress */
     int64_t t0_ns, last_print_ns;
     uint64_t total_todo, done_bytes;
+    uint64_t throttled; /* bytes counted against limit_rate since t0_ns */
     bool tty;
 };
 
@@ -280,6 +284,21 @@ static bool check_response(struct fetch *f)
     return true;
 }
 
+/* Rate limit (--limit-rate): sleep until this run's average is under it.
+ * Sleeping in the write callback stalls the socket: TCP backpressure. */
+static void throttle(struct fetch *f, size_t n)
+{
+    if (!f->p->limit_rate)
+        return;
+    f->throttled += n;
+    int64_t due = f->t0_ns + (int64_t)((double)f->throttled * 1e9 / (double)f->p->limit_rate);
+    int64_t now = now_ns();
+    if (due > now) {
+        struct timespec ts = { (time_t)((due - now) / 1000000000ll), (long)((due - now) % 1000000000ll) };
+        nanosleep(&ts, NULL);
+    }
+}
+
 static size_t sink_header(char *data, size_t size, size_t nmemb, void *ud)
 {
     struct fetch *f = ud;
@@ -293,6 +312,7 @@ static size_t sink_header(char *data, size_t size, size_t nmemb, void *ud)
     memcpy(f->hbuf + f->hlen, data, n);
     f->hlen += n;
     f->received += n;
+    throttle(f, n);
     return n;
 }
 
@@ -339,6 +359,8 @@ static size_t sink_data(char *data, size_t size, size_t nmemb, void *ud)
             p += k;
             left -= k;
             f->pos += k;
+            f->st->data_bytes += k;
+            f->done_bytes += k;
             continue;
         }
         uint64_t in = f->pos - t->src;
@@ -384,6 +406,7 @@ static size_t sink_data(char *data, size_t size, size_t nmemb, void *ud)
     }
     f->received += n;
     progress(f, false);
+    throttle(f, n);
     return n;
 }
 
@@ -601,11 +624,10 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
     curl_easy_setopt(f.curl, CURLOPT_CONNECTTIMEOUT, 10L);
     curl_easy_setopt(f.curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
     curl_easy_setopt(f.curl, CURLOPT_LOW_SPEED_TIME, 60L);
-    curl_easy_setopt(f.curl, CURLOPT_BUFFERSIZE, 512L * 1024);
+    curl_easy_setopt(f.curl, CURLOPT_BUFFERSIZE, p->limit_rate ? 64L * 1024 : 512L * 1024);
     curl_easy_setopt(f.curl, CURLOPT_HEADERFUNCTION, on_header);
     curl_easy_setopt(f.curl, CURLOPT_HEADERDATA, &f);
-    if (p->limit_rate)
-        curl_easy_setopt(f.curl, CURLOPT_MAX_RECV_SPEED_LARGE, (curl_off_t)p->limit_rate);
+    f.t0_ns = f.last_print_ns = now_ns();
 
     err = fetch_header(&f, &g);
     if (err)
@@ -678,11 +700,34 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
     if (err)
         goto fail;
 
+    /* Tensors that came along with the header need no request. */
+    for (size_t i = 0; i < nidx; i++) {
+        const struct kvs_gguf_tensor *t = kvs_gguf_tensor(g, idx[i]);
+        if (f.t[i].done || !t->data || f.t[i].bytes == 0)
+            continue;
+        if (!EVP_DigestInit_ex(f.md, EVP_sha256(), NULL) || !EVP_DigestUpdate(f.md, t->data, t->bytes)) {
+            err = ferr(&f, KVS_ERR_INTERNAL, "SHA-256 failed");
+            goto fail;
+        }
+        f.md_open = true;
+        if (!all_zero(t->data, t->bytes)) {
+            err = write_all_at(&f, f.fd, t->data, t->bytes, f.t[i].dst);
+            if (err)
+                goto fail;
+        }
+        err = tensor_finish(&f, &f.t[i]);
+        if (err) {
+            state_save(&f);
+            goto fail;
+        }
+        f.total_todo -= f.t[i].bytes;
+        st->header_reused_bytes += f.t[i].bytes;
+    }
+
     /* Download runs of adjacent pending tensors. */
     f.tty = p->progress < 0 && isatty(2);
     if (p->progress < 0 && !f.tty)
         f.tty = false;
-    f.t0_ns = f.last_print_ns = now_ns();
     uint32_t align = kvs_gguf_alignment(g);
     for (size_t i = 0; i < nidx;) {
         if (f.t[i].done || f.t[i].bytes == 0) {
@@ -693,7 +738,8 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
         }
         size_t j = i + 1;
         while (j < nidx && !f.t[j].done && f.t[j].bytes && f.t[j].src >= f.t[j - 1].src + f.t[j - 1].bytes &&
-               f.t[j].src - (f.t[j - 1].src + f.t[j - 1].bytes) <= align)
+               f.t[j].src - (f.t[j - 1].src + f.t[j - 1].bytes) <= align &&
+               f.t[j].src + f.t[j].bytes - f.t[i].src <= FETCH_MAX_REQUEST)
             j++;
         f.cur = i;
         f.run_end = j;
