@@ -516,20 +516,18 @@ kvs_err kvs_plan_solve(const struct kvs_plan_model *m, const struct kvs_plan_inv
             if (best < before || q == 0)
                 memcpy(best_order, order, k * sizeof order[0]);
         }
-        /* Pairwise swaps of the best order while they improve; the pass
-         * count bounds the time. */
-        double budget = (double)t->exhaustive_limit * 4;
-        for (int pass = 0; pass < 3 && budget > 0; pass++) {
+        /* Pairwise swaps of the best order while they improve; at most 3
+         * passes of k(k-1)/2 DPs each bound the time. */
+        for (int pass = 0; pass < 3; pass++) {
             bool improved = false;
-            for (size_t a = 0; a < k && budget > 0; a++)
-                for (size_t b = a + 1; b < k && budget > 0; b++) {
+            for (size_t a = 0; a < k; a++)
+                for (size_t b = a + 1; b < k; b++) {
                     memcpy(order, best_order, k * sizeof order[0]);
                     size_t tmp = order[a];
                     order[a] = order[b];
                     order[b] = tmp;
                     double before = best;
                     try_order(&dp, m, &p, inv, t, order, &best, best_ranks, &best_n);
-                    budget -= per;
                     if (best < before) {
                         memcpy(best_order, order, k * sizeof order[0]);
                         improved = true;

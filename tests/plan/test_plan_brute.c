@@ -348,6 +348,65 @@ static void test_feasible_tiny_exact_cost(void **state)
     free(inv);
 }
 
+/* Above the exhaustive limit the heuristic orders give a valid placement
+ * that is never better than the exhaustive optimum (same instance, limit
+ * raised) and, on these instances, close to it. */
+static void test_heuristic_valid(void **state)
+{
+    (void)state;
+    uint64_t s = 12345;
+    struct kvs_plan_model *m = malloc(sizeof *m);
+    struct kvs_plan_inventory *inv = malloc(sizeof *inv);
+    struct kvs_plan_result *h = malloc(sizeof *h), *x = malloc(sizeof *x);
+    assert_non_null(m);
+    assert_non_null(inv);
+    assert_non_null(h);
+    assert_non_null(x);
+    int solved = 0;
+    double worst = 1.0;
+    for (int it = 0; it < 12; it++) {
+        struct kvs_plan_targets t;
+        random_instance(&s, m, inv, &t);
+        m->n_block = 6;
+        inv->n_devices = 7;
+        for (size_t d = 0; d < inv->n_devices; d++) {
+            struct kvs_plan_device *dv = &inv->devices[d];
+            snprintf(dv->name, sizeof dv->name, "dev%zu", d);
+            dv->mem_bytes = rng_range(&s, 15000000, 60000000);
+            dv->decode_gbps = 0.5 + rng_unit(&s) * 100;
+            dv->rtt_ms = rng_unit(&s) * 5;
+            dv->bandwidth_mbps = 10 + rng_unit(&s) * 10000;
+            dv->accepts_inbound = rng_next(&s) % 4 != 0;
+        }
+        char err[256];
+        t.exhaustive_limit = 1000; /* force the heuristic */
+        kvs_err e1 = kvs_plan_solve(m, inv, &t, h, err, sizeof err);
+        t.exhaustive_limit = UINT64_MAX;
+        kvs_err e2 = kvs_plan_solve(m, inv, &t, x, err, sizeof err);
+        assert_int_equal(e1, e2);
+        if (e1)
+            continue;
+        assert_false(h->exhaustive);
+        assert_true(x->exhaustive);
+        assert_true(h->token_ms >= x->token_ms * (1 - 1e-12));
+        double got = kvs_plan_evaluate(m, inv, &t, h->ranks, h->n_ranks, NULL);
+        assert_true(dabs(got - h->token_ms) <= 1e-9 * h->token_ms);
+        for (size_t r = 0; r < h->n_ranks; r++)
+            assert_true(bf_mem(m, &t, h->ranks[r].begin, h->ranks[r].end) <=
+                        inv->devices[h->ranks[r].device].mem_bytes);
+        if (h->token_ms / x->token_ms > worst)
+            worst = h->token_ms / x->token_ms;
+        solved++;
+    }
+    printf("heuristic: %d instances, worst ratio to the optimum %.4f\n", solved, worst);
+    assert_true(solved >= 6);
+    assert_true(worst < 1.05);
+    free(m);
+    free(inv);
+    free(h);
+    free(x);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -355,6 +414,7 @@ int main(void)
         cmocka_unit_test(test_infeasible_total),
         cmocka_unit_test(test_infeasible_block),
         cmocka_unit_test(test_feasible_tiny_exact_cost),
+        cmocka_unit_test(test_heuristic_valid),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
