@@ -7,6 +7,18 @@
 #include "common/log.h"
 #include "kernels/kernels_impl.h"
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+
+/* F16C via CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does
+ * not know "f16c". */
+static bool kvs_cpu_has_f16c(void)
+{
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+#endif
+
 const struct kvs_kernels kvs_kernels_scalar = {
     .isa = KVS_ISA_SCALAR,
     KVS_KERNELS_REF_ENTRIES,
@@ -83,7 +95,7 @@ static bool kvs_isa_available(enum kvs_isa isa)
     case KVS_ISA_AVX2:
         __builtin_cpu_init();
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
+               kvs_cpu_has_f16c();
     case KVS_ISA_AVX512:
         __builtin_cpu_init();
         return kvs_isa_available(KVS_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
