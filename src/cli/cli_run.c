@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "cli/cli_ring.h"
 #include "common/log.h"
 #include "gguf/gguf.h"
 #include "model/model.h"
@@ -137,13 +138,6 @@ static double run_now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* Hook for the local ring (--ring N): not implemented here yet. */
-static int run_ring(const struct run_opts *o)
-{
-    fprintf(stderr, "kvasir run: --ring %ld: not yet implemented\n", o->ring);
-    return 2;
 }
 
 static int run_single(const struct run_opts *o)
@@ -280,6 +274,8 @@ done:
 
 int kvs_cli_run(int argc, char **argv)
 {
+    for (int i = 1; i < argc; i++) /* a local ring: src/cli/cli_ring.c parses its options */
+        if (!strcmp(argv[i], "--ring")) return kvs_cli_run_ring(argc, argv);
     struct run_opts o;
     int r = run_parse(argc, argv, &o);
     if (r == 1) return 0;
@@ -287,6 +283,5 @@ int kvs_cli_run(int argc, char **argv)
         run_usage(stderr);
         return 2;
     }
-    if (o.ring > 0) return run_ring(&o);
     return run_single(&o);
 }

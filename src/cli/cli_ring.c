@@ -1,0 +1,494 @@
+/* `kvasir run --ring N`: a local ring of N stages (this process is the head,
+ * ranks 1..N-1 are child processes of the same binary), and the ring client
+ * used by it and by `kvasir stage --prompts`. */
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli/cli.h"
+#include "cli/cli_ring.h"
+#include "common/log.h"
+#include "gguf/gguf.h"
+#include "link/link.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
+
+/* --- client --------------------------------------------------------------------- */
+
+struct creq {
+    int idx;
+    uint32_t id;
+    int32_t *toks; /* [cap] generated ids (cap = n_predict) */
+    int32_t n_toks, cap;
+    bool done;
+    kvs_err err;
+    char msg[512];
+};
+
+struct client {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int n_done_unseen;
+};
+
+struct cb_ctx {
+    struct client *c;
+    struct creq *r;
+};
+
+static void on_event(void *user, const struct kvs_stage_event *ev)
+{
+    struct cb_ctx *x = user;
+    pthread_mutex_lock(&x->c->mu);
+    if (ev->kind == KVS_STAGE_EVENT_TOKEN) {
+        if (x->r->n_toks < x->r->cap) x->r->toks[x->r->n_toks++] = ev->token;
+    } else {
+        x->r->done = true;
+        x->r->err = ev->kind == KVS_STAGE_EVENT_ERROR ? ev->err : KVS_OK;
+        if (x->r->err) snprintf(x->r->msg, sizeof x->r->msg, "%s", ev->message ? ev->message : "");
+        x->c->n_done_unseen++;
+    }
+    pthread_mutex_unlock(&x->c->mu);
+    pthread_cond_broadcast(&x->c->cv);
+}
+
+static void *loop_thread(void *arg)
+{
+    kvs_stage_run(arg);
+    return NULL;
+}
+
+static int32_t *tokenize(const struct kvs_tokenizer *tok, const char *text, int32_t *n)
+{
+    size_t len = strlen(text);
+    bool bos = kvs_tokenizer_add_bos(tok);
+    int64_t k = kvs_tokenize(tok, text, len, bos, true, NULL, 0);
+    if (k <= 0 || k > (1 << 20)) return NULL;
+    int32_t *ids = malloc((size_t)k * sizeof *ids);
+    if (!ids || kvs_tokenize(tok, text, len, bos, true, ids, k) != k) {
+        free(ids);
+        return NULL;
+    }
+    *n = (int32_t)k;
+    return ids;
+}
+
+/* Submits text as request r. Returns false (r done with an error) on failure. */
+static bool submit(struct kvs_stage *head, const struct kvs_ring_client_opts *o, const char *text, struct cb_ctx *cx)
+{
+    struct creq *r = cx->r;
+    r->cap = o->n_predict > 0 ? o->n_predict : 1;
+    r->toks = calloc((size_t)r->cap, sizeof(int32_t));
+    int32_t n = 0;
+    int32_t *ids = tokenize(kvs_stage_tokenizer(head), text, &n);
+    kvs_err e = (!ids || !r->toks) ? KVS_ERR_ARG : KVS_OK;
+    if (!e) {
+        struct kvs_stage_request q = { .prompt = ids, .n_prompt = n, .sampling = o->sp,
+                                       .max_tokens = o->n_predict > 0 ? o->n_predict : 1,
+                                       .ignore_eos = o->ignore_eos, .on_event = on_event, .user = cx };
+        e = kvs_stage_submit(head, &q, &r->id);
+    }
+    free(ids);
+    if (e) {
+        pthread_mutex_lock(&cx->c->mu);
+        r->done = true;
+        r->err = e;
+        snprintf(r->msg, sizeof r->msg, "cannot submit: %s", kvs_strerror(e));
+        cx->c->n_done_unseen++;
+        pthread_mutex_unlock(&cx->c->mu);
+        return false;
+    }
+    return true;
+}
+
+static void print_text_escaped(const struct kvs_tokenizer *tok, const struct creq *r)
+{
+    struct kvs_detok dt;
+    kvs_detok_init(&dt, tok, false);
+    char piece[256];
+    for (int32_t i = 0; i <= r->n_toks; i++) {
+        int64_t w = i < r->n_toks ? kvs_detok_push(&dt, r->toks[i], piece, sizeof piece)
+                                  : kvs_detok_flush(&dt, piece, sizeof piece);
+        if (w > (int64_t)sizeof piece) w = sizeof piece;
+        for (int64_t k = 0; k < w; k++) {
+            char ch = piece[k];
+            if (ch == '\n') fputs("\\n", stdout);
+            else if (ch == '\\') fputs("\\\\", stdout);
+            else fputc(ch, stdout);
+        }
+    }
+}
+
+static int client_one(struct kvs_stage *head, const struct kvs_ring_client_opts *o, struct client *c)
+{
+    struct creq r = { 0 };
+    struct cb_ctx cx = { c, &r };
+    const struct kvs_tokenizer *tok = kvs_stage_tokenizer(head);
+    submit(head, o, o->prompt, &cx);
+    struct kvs_detok dt;
+    kvs_detok_init(&dt, tok, false);
+    char piece[256];
+    int32_t shown = 0;
+    bool done = false;
+    while (!done) {
+        pthread_mutex_lock(&c->mu);
+        while (!r.done && r.n_toks == shown) pthread_cond_wait(&c->cv, &c->mu);
+        int32_t upto = r.n_toks;
+        done = r.done;
+        pthread_mutex_unlock(&c->mu);
+        for (; shown < upto; shown++) {
+            int64_t w = kvs_detok_push(&dt, r.toks[shown], piece, sizeof piece);
+            if (w > 0) fwrite(piece, 1, (size_t)(w < (int64_t)sizeof piece ? w : (int64_t)sizeof piece), stdout);
+        }
+        fflush(stdout);
+    }
+    int64_t w = kvs_detok_flush(&dt, piece, sizeof piece);
+    if (w > 0) fwrite(piece, 1, (size_t)(w < (int64_t)sizeof piece ? w : (int64_t)sizeof piece), stdout);
+    if (isatty(STDOUT_FILENO)) fputc('\n', stdout);
+    fflush(stdout);
+    int rc = 0;
+    if (r.err) {
+        fprintf(stderr, "kvasir: request failed: %s (%s)\n", r.msg, kvs_strerror(r.err));
+        rc = 1;
+    }
+    free(r.toks);
+    return rc;
+}
+
+static int client_many(struct kvs_stage *head, const struct kvs_ring_client_opts *o, struct client *c)
+{
+    FILE *in = strcmp(o->prompts_path, "-") ? fopen(o->prompts_path, "r") : stdin;
+    if (!in) {
+        fprintf(stderr, "kvasir: cannot open %s\n", o->prompts_path);
+        return 1;
+    }
+    int P = o->parallel > 0 ? o->parallel : 1;
+    struct creq *rs = calloc((size_t)P, sizeof *rs);
+    struct cb_ctx *cx = calloc((size_t)P, sizeof *cx);
+    bool *busy = calloc((size_t)P, sizeof *busy);
+    int rc = 0, next_idx = 0, in_flight = 0;
+    bool eof = false;
+    char line[65536];
+    while (rs && cx && busy && (!eof || in_flight > 0)) {
+        /* fill free slots from the input */
+        while (!eof && in_flight < P) {
+            if (!fgets(line, sizeof line, in)) {
+                eof = true;
+                break;
+            }
+            line[strcspn(line, "\r\n")] = '\0';
+            if (!line[0]) continue;
+            int k = 0;
+            while (busy[k]) k++;
+            memset(&rs[k], 0, sizeof rs[k]);
+            rs[k].idx = next_idx++;
+            cx[k] = (struct cb_ctx){ c, &rs[k] };
+            busy[k] = true;
+            in_flight++;
+            submit(head, o, line, &cx[k]);
+        }
+        if (in_flight == 0) continue;
+        /* wait for any completion and print it */
+        pthread_mutex_lock(&c->mu);
+        while (c->n_done_unseen == 0) pthread_cond_wait(&c->cv, &c->mu);
+        for (int k = 0; k < P; k++) {
+            if (!busy[k] || !rs[k].done) continue;
+            c->n_done_unseen--;
+            busy[k] = false;
+            in_flight--;
+            if (rs[k].err) {
+                printf("#%d error %s (%s)\n", rs[k].idx, rs[k].msg, kvs_strerror(rs[k].err));
+                rc = 1;
+            } else {
+                printf("#%d ok ", rs[k].idx);
+                print_text_escaped(kvs_stage_tokenizer(head), &rs[k]);
+                fputc('\n', stdout);
+            }
+            fflush(stdout);
+            free(rs[k].toks);
+            rs[k].toks = NULL;
+        }
+        pthread_mutex_unlock(&c->mu);
+    }
+    if (in != stdin) fclose(in);
+    free(rs);
+    free(cx);
+    free(busy);
+    return rc;
+}
+
+int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o)
+{
+    struct client c = { .n_done_unseen = 0 };
+    pthread_mutex_init(&c.mu, NULL);
+    pthread_cond_init(&c.cv, NULL);
+    pthread_t th;
+    if (pthread_create(&th, NULL, loop_thread, head)) {
+        fprintf(stderr, "kvasir: cannot start the stage thread\n");
+        return 1;
+    }
+    int rc;
+    if (kvs_stage_wait_ready(head, o->ready_timeout_ms) != KVS_OK) {
+        fprintf(stderr, "kvasir: the ring did not close within %d ms\n", o->ready_timeout_ms);
+        rc = 1;
+    } else {
+        rc = o->prompts_path ? client_many(head, o, &c) : client_one(head, o, &c);
+    }
+    kvs_stage_stop(head);
+    pthread_join(th, NULL);
+    struct kvs_stage_metrics m;
+    kvs_stage_metrics(head, &m);
+    fprintf(stderr, "ring: %llu requests done, %llu failed, %llu tokens, %llu forward calls (%.1f ms)\n",
+            (unsigned long long)m.requests_done, (unsigned long long)m.requests_failed,
+            (unsigned long long)m.tokens_generated, (unsigned long long)m.forward_calls, m.forward_ms);
+    pthread_mutex_destroy(&c.mu);
+    pthread_cond_destroy(&c.cv);
+    return rc;
+}
+
+/* --- kvasir run --ring N ------------------------------------------------------------ */
+
+static int parse_long(const char *s, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_float(const char *s, float *out)
+{
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || end == s || *end || v != v) return -1;
+    *out = v;
+    return 0;
+}
+
+static void ring_usage(FILE *f)
+{
+    fprintf(f, "usage: kvasir run --ring N -m MODEL (-p TEXT | --prompts FILE) [options]\n"
+               "  the options of `kvasir run`, and:\n"
+               "  --prompts FILE       one prompt per line ('-' = stdin); prints \"#i ok TEXT\" per prompt\n"
+               "                       (newlines in TEXT as \\n) or \"#i error MESSAGE\"\n"
+               "  --parallel P         prompts in flight at once (default 1)\n"
+               "  --seqs S             sequence slots per stage (default max(4, P))\n"
+               "  --boundary f16|f32   boundary precision on the links (default f16)\n");
+}
+
+/* A free loopback port (bound then released: another process could take it
+ * before the stage binds it, which then fails loudly). */
+static int free_port(void)
+{
+    struct kvs_listener *l;
+    char err[128];
+    if (kvs_tcp_listen("127.0.0.1:0", &l, err, sizeof err)) return -1;
+    int p = kvs_listener_port(l);
+    kvs_listener_close(l);
+    return p;
+}
+
+static void reap(pid_t *pids, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (pids[i] > 0) kill(pids[i], SIGTERM);
+    int64_t deadline = kvs_link_now_ms() + 3000;
+    for (int i = 0; i < n; i++) {
+        if (pids[i] <= 0) continue;
+        for (;;) {
+            pid_t r = waitpid(pids[i], NULL, WNOHANG);
+            if (r == pids[i] || (r < 0 && errno != EINTR)) break;
+            if (kvs_link_now_ms() > deadline) {
+                kill(pids[i], SIGKILL);
+                waitpid(pids[i], NULL, 0);
+                break;
+            }
+            poll(NULL, 0, 20);
+        }
+        pids[i] = 0;
+    }
+}
+
+int kvs_cli_run_ring(int argc, char **argv)
+{
+    struct kvs_ring_client_opts co = { .parallel = 1, .n_predict = 128, .ready_timeout_ms = 30000 };
+    co.sp = kvs_sampler_default_params();
+    const char *model = NULL;
+    long ring = 0, threads = 2, n_ctx = 0, seqs = 0, lv = 0;
+    bool f32 = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            ring_usage(stdout);
+            return 0;
+        }
+        if (!strcmp(a, "--ignore-eos")) {
+            co.ignore_eos = true;
+            continue;
+        }
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!v) {
+            fprintf(stderr, "kvasir run: unknown option or missing value: %s\n", a);
+            return 2;
+        }
+        int bad = 0;
+        if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
+        else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) co.prompt = v;
+        else if (!strcmp(a, "--prompts")) co.prompts_path = v;
+        else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
+            bad = parse_long(v, 1, 1 << 24, &lv);
+            co.n_predict = (int32_t)lv;
+        } else if (!strcmp(a, "--temp")) bad = parse_float(v, &co.sp.temp);
+        else if (!strcmp(a, "--top-k")) {
+            bad = parse_long(v, -1, 1 << 30, &lv);
+            co.sp.top_k = (int32_t)lv;
+        } else if (!strcmp(a, "--top-p")) bad = parse_float(v, &co.sp.top_p);
+        else if (!strcmp(a, "--min-p")) bad = parse_float(v, &co.sp.min_p);
+        else if (!strcmp(a, "--repeat-penalty")) bad = parse_float(v, &co.sp.repeat_penalty);
+        else if (!strcmp(a, "--seed")) {
+            char *end;
+            errno = 0;
+            unsigned long long s = strtoull(v, &end, 10);
+            bad = errno || end == v || *end || v[0] == '-';
+            co.sp.seed = (uint64_t)s;
+        } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) bad = parse_long(v, 1, 512, &threads);
+        else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) bad = parse_long(v, 1, 1 << 24, &n_ctx);
+        else if (!strcmp(a, "--ring")) bad = parse_long(v, 2, 1024, &ring);
+        else if (!strcmp(a, "--parallel")) {
+            bad = parse_long(v, 1, 1024, &lv);
+            co.parallel = (int32_t)lv;
+        } else if (!strcmp(a, "--seqs")) bad = parse_long(v, 1, 1024, &seqs);
+        else if (!strcmp(a, "--boundary")) {
+            bad = strcmp(v, "f16") && strcmp(v, "f32");
+            f32 = !strcmp(v, "f32");
+        } else {
+            fprintf(stderr, "kvasir run: unknown option: %s\n", a);
+            ring_usage(stderr);
+            return 2;
+        }
+        if (bad) {
+            fprintf(stderr, "kvasir run: bad value for %s: %s\n", a, v);
+            return 2;
+        }
+        i++;
+    }
+    if (!model || (!co.prompt == !co.prompts_path) || ring < 2) {
+        fprintf(stderr, "kvasir run: --ring N (N >= 2), -m MODEL and one of -p TEXT / --prompts FILE are required\n");
+        ring_usage(stderr);
+        return 2;
+    }
+    if (seqs == 0) seqs = co.parallel > 4 ? co.parallel : 4;
+
+    /* n_block, for the even split */
+    char err[512];
+    struct kvs_gguf *g;
+    struct kvs_hparams hp;
+    kvs_err e = kvs_gguf_open(model, &g, err, sizeof err);
+    if (!e) {
+        e = kvs_hparams_read(g, &hp, err, sizeof err);
+        kvs_gguf_close(g);
+    }
+    if (e) {
+        fprintf(stderr, "kvasir run: %s: %s (%s)\n", model, kvs_strerror(e), err);
+        return 1;
+    }
+    if (ring > (long)hp.n_block) {
+        fprintf(stderr, "kvasir run: --ring %ld is more than the model's %u blocks\n", ring, hp.n_block);
+        return 2;
+    }
+    int n = (int)ring;
+    int *port = calloc((size_t)n, sizeof *port);
+    pid_t *pids = calloc((size_t)n, sizeof *pids);
+    if (!port || !pids) return 1;
+    for (int r = 0; r < n; r++)
+        if ((port[r] = free_port()) <= 0) {
+            fprintf(stderr, "kvasir run: no free loopback port\n");
+            free(port);
+            free(pids);
+            return 1;
+        }
+
+    /* SIGINT/SIGTERM: handled through a signalfd (the head's stop_fd). */
+    sigset_t sigs, old;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGHUP);
+    pthread_sigmask(SIG_BLOCK, &sigs, &old);
+    int sfd = signalfd(-1, &sigs, SFD_CLOEXEC | SFD_NONBLOCK);
+
+    char self[4096];
+    ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (sl <= 0) {
+        fprintf(stderr, "kvasir run: cannot find this binary\n");
+        return 1;
+    }
+    self[sl] = '\0';
+    int rc = 1;
+    struct kvs_stage *head = NULL;
+    char a_listen[64], a_next[64], a_win[64], a_thr[16], a_ctx[16], a_seq[16];
+    for (int r = 1; r < n; r++) {
+        int b = (int)((long)r * hp.n_block / n), en = (int)((long)(r + 1) * hp.n_block / n);
+        snprintf(a_listen, sizeof a_listen, "127.0.0.1:%d", port[r]);
+        snprintf(a_next, sizeof a_next, "127.0.0.1:%d", port[(r + 1) % n]);
+        snprintf(a_win, sizeof a_win, "%d:%d", b, en);
+        snprintf(a_thr, sizeof a_thr, "%ld", threads);
+        snprintf(a_ctx, sizeof a_ctx, "%ld", n_ctx);
+        snprintf(a_seq, sizeof a_seq, "%ld", seqs);
+        char *args[] = { self, "stage", "-m", (char *)model, "--window", a_win, "--listen", a_listen, "--next", a_next,
+                         "--threads", a_thr, "--ctx", a_ctx, "--seqs", a_seq, "--boundary", f32 ? "f32" : "f16",
+                         NULL };
+        fflush(NULL);
+        pid_t pid = fork();
+        if (pid < 0) {
+            fprintf(stderr, "kvasir run: fork: %s\n", strerror(errno));
+            goto done;
+        }
+        if (pid == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGTERM);
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+            execv(self, args);
+            _exit(127);
+        }
+        pids[r] = pid;
+        KVS_LOGD("ring: rank %d pid %d window [%d,%d) listen %s", r, (int)pid, b, en, a_listen);
+    }
+    struct kvs_stage_params sp = kvs_stage_default_params();
+    snprintf(a_listen, sizeof a_listen, "127.0.0.1:%d", port[0]);
+    snprintf(a_next, sizeof a_next, "127.0.0.1:%d", port[1 % n]);
+    sp.model_path = model;
+    sp.block_begin = 0;
+    sp.block_end = (int32_t)(hp.n_block / (uint32_t)n);
+    sp.listen = a_listen;
+    sp.next = a_next;
+    sp.n_threads = (int32_t)threads;
+    sp.n_ctx = (int32_t)n_ctx;
+    sp.n_seq = (int32_t)seqs;
+    sp.boundary_f32 = f32;
+    sp.stop_fd = sfd;
+    if ((e = kvs_stage_create(&sp, &head, err, sizeof err))) {
+        fprintf(stderr, "kvasir run: head stage: %s (%s)\n", kvs_strerror(e), err);
+        goto done;
+    }
+    rc = kvs_ring_client(head, &co);
+done:
+    kvs_stage_free(head);
+    reap(pids, n);
+    if (sfd >= 0) close(sfd);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    free(port);
+    free(pids);
+    return rc;
+}

@@ -1,0 +1,215 @@
+/* kvasir stage: run one stage of a ring (docs/PROTOCOL.md, docs/MANIFEST.md).
+ * The head stage can also serve prompts itself (--prompts / -p), which is how
+ * the end-to-end tests drive a ring of separately started stages. */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include "cli/cli.h"
+#include "cli/cli_ring.h"
+#include "common/log.h"
+#include "plan/plan.h"
+#include "stage/stage.h"
+
+static void stage_usage(FILE *f)
+{
+    fprintf(f, "usage: kvasir stage -m MODEL --window BEGIN:END --listen HOST:PORT --next HOST:PORT [options]\n"
+               "       kvasir stage --manifest ring.json --rank R [options]\n"
+               "  --threads T          compute threads (default 2)\n"
+               "  --ctx N              positions per sequence (default model's, <= 4096; all stages equal)\n"
+               "  --seqs S             sequence slots (default 4)\n"
+               "  --batch B            tokens per forward / PREFILL frame (default 512; all stages equal)\n"
+               "  --boundary f16|f32   boundary precision sent on (default f16)\n"
+               "  --timeout MS         neighbour silence / ring probe timeout (default 4000)\n"
+               "  --step-delay MS      test hook: sleep before every forward\n"
+               "  --api PORT           HTTP API on the head (served by the api module when built)\n"
+               "head only, as a client of its own ring:\n"
+               "  -p TEXT | --prompts FILE ('-' = stdin)   -n N  --temp T  --top-k K  --top-p P  --min-p P\n"
+               "  --repeat-penalty R  --seed S  --ignore-eos  --parallel P\n");
+}
+
+static int num(const char *s, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+
+static int flt(const char *s, float *out)
+{
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || end == s || *end || v != v) return -1;
+    *out = v;
+    return 0;
+}
+
+int kvs_cli_stage(int argc, char **argv)
+{
+    struct kvs_stage_params p = kvs_stage_default_params();
+    struct kvs_ring_client_opts co = { .parallel = 1, .n_predict = 128, .ready_timeout_ms = 30000 };
+    co.sp = kvs_sampler_default_params();
+    const char *manifest = NULL, *window = NULL;
+    long rank = -1, lv = 0, api = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            stage_usage(stdout);
+            return 0;
+        }
+        if (!strcmp(a, "--ignore-eos")) {
+            co.ignore_eos = true;
+            continue;
+        }
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!v) {
+            fprintf(stderr, "kvasir stage: unknown option or missing value: %s\n", a);
+            stage_usage(stderr);
+            return 2;
+        }
+        int bad = 0;
+        if (!strcmp(a, "-m") || !strcmp(a, "--model")) p.model_path = v;
+        else if (!strcmp(a, "--window")) window = v;
+        else if (!strcmp(a, "--listen")) p.listen = v;
+        else if (!strcmp(a, "--next")) p.next = v;
+        else if (!strcmp(a, "--manifest")) manifest = v;
+        else if (!strcmp(a, "--rank")) bad = num(v, 0, 1 << 20, &rank);
+        else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
+            bad = num(v, 1, 512, &lv);
+            p.n_threads = (int32_t)lv;
+        } else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) {
+            bad = num(v, 0, 1 << 24, &lv);
+            p.n_ctx = (int32_t)lv;
+        } else if (!strcmp(a, "--seqs")) {
+            bad = num(v, 1, 1024, &lv);
+            p.n_seq = (int32_t)lv;
+        } else if (!strcmp(a, "--batch")) {
+            bad = num(v, 1, 65536, &lv);
+            p.n_batch = (int32_t)lv;
+        } else if (!strcmp(a, "--boundary")) {
+            bad = strcmp(v, "f16") && strcmp(v, "f32");
+            p.boundary_f32 = !strcmp(v, "f32");
+        } else if (!strcmp(a, "--timeout")) {
+            bad = num(v, 100, 3600000, &lv);
+            p.timeout_ms = (int32_t)lv;
+        } else if (!strcmp(a, "--step-delay")) {
+            bad = num(v, 0, 60000, &lv);
+            p.step_delay_ms = (int32_t)lv;
+        } else if (!strcmp(a, "--api")) bad = num(v, 1, 65535, &api);
+        else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) co.prompt = v;
+        else if (!strcmp(a, "--prompts")) co.prompts_path = v;
+        else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
+            bad = num(v, 1, 1 << 24, &lv);
+            co.n_predict = (int32_t)lv;
+        } else if (!strcmp(a, "--temp")) bad = flt(v, &co.sp.temp);
+        else if (!strcmp(a, "--top-k")) {
+            bad = num(v, -1, 1 << 30, &lv);
+            co.sp.top_k = (int32_t)lv;
+        } else if (!strcmp(a, "--top-p")) bad = flt(v, &co.sp.top_p);
+        else if (!strcmp(a, "--min-p")) bad = flt(v, &co.sp.min_p);
+        else if (!strcmp(a, "--repeat-penalty")) bad = flt(v, &co.sp.repeat_penalty);
+        else if (!strcmp(a, "--seed")) {
+            char *end;
+            errno = 0;
+            unsigned long long s = strtoull(v, &end, 10);
+            bad = errno || end == v || *end || v[0] == '-';
+            co.sp.seed = (uint64_t)s;
+        } else if (!strcmp(a, "--parallel")) {
+            bad = num(v, 1, 1024, &lv);
+            co.parallel = (int32_t)lv;
+        } else {
+            fprintf(stderr, "kvasir stage: unknown option: %s\n", a);
+            stage_usage(stderr);
+            return 2;
+        }
+        if (bad) {
+            fprintf(stderr, "kvasir stage: bad value for %s: %s\n", a, v);
+            return 2;
+        }
+        i++;
+    }
+    char err[1024];
+    struct kvs_manifest *man = NULL;
+    if (manifest) {
+        if (rank < 0) {
+            fprintf(stderr, "kvasir stage: --manifest needs --rank R\n");
+            return 2;
+        }
+        man = calloc(1, sizeof *man);
+        kvs_err e = man ? kvs_manifest_load(manifest, man, err, sizeof err) : KVS_ERR_NOMEM;
+        if (e) {
+            fprintf(stderr, "kvasir stage: %s: %s (%s)\n", manifest, man ? err : "", kvs_strerror(e));
+            free(man);
+            return 1;
+        }
+        e = kvs_stage_params_from_manifest(man, (int32_t)rank, &p);
+        if (e) {
+            if (e == KVS_ERR_NOT_FOUND)
+                fprintf(stderr, "kvasir stage: rank %ld is not in %s (%zu ranks)\n", rank, manifest, man->n_ranks);
+            else
+                fprintf(stderr, "kvasir stage: %s names no local model path\n", manifest);
+            free(man);
+            return 2;
+        }
+    } else {
+        if (!p.model_path || !window || !p.listen || !p.next) {
+            fprintf(stderr, "kvasir stage: -m, --window, --listen and --next are required (or --manifest/--rank)\n");
+            stage_usage(stderr);
+            return 2;
+        }
+        char *end;
+        errno = 0;
+        long b = strtol(window, &end, 10), en = -1;
+        if (errno || end == window || *end != ':' || b < 0) b = -1;
+        else {
+            const char *e2 = end + 1;
+            en = strtol(e2, &end, 10);
+            if (errno || end == e2 || *end || en <= b) b = -1;
+        }
+        if (b < 0 || en > (1 << 20)) {
+            fprintf(stderr, "kvasir stage: --window must be BEGIN:END with 0 <= BEGIN < END: %s\n", window);
+            return 2;
+        }
+        p.block_begin = (int32_t)b;
+        p.block_end = (int32_t)en;
+    }
+    if (api) KVS_LOGW("stage: --api %ld: the HTTP API is not part of this binary yet; ignored", api);
+
+    sigset_t sigs, old;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGHUP);
+    pthread_sigmask(SIG_BLOCK, &sigs, &old);
+    int sfd = signalfd(-1, &sigs, SFD_CLOEXEC | SFD_NONBLOCK);
+    p.stop_fd = sfd;
+
+    struct kvs_stage *s = NULL;
+    kvs_err e = kvs_stage_create(&p, &s, err, sizeof err);
+    int rc = 1;
+    if (e) {
+        fprintf(stderr, "kvasir stage: %s (%s)\n", err, kvs_strerror(e));
+    } else if (co.prompt || co.prompts_path) {
+        if (!kvs_stage_is_head(s)) {
+            fprintf(stderr, "kvasir stage: -p/--prompts need the head (window starting at 0)\n");
+            rc = 2;
+        } else {
+            rc = kvs_ring_client(s, &co);
+        }
+    } else {
+        rc = kvs_stage_run(s) == KVS_OK ? 0 : 1;
+    }
+    kvs_stage_free(s);
+    free(man);
+    if (sfd >= 0) close(sfd);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return rc;
+}

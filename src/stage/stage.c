@@ -1,0 +1,1449 @@
+/* The stage loop (docs/PROTOCOL.md §3-§5): links, handshake, sequences,
+ * batching, head request API, faults. */
+#include "stage/stage.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "gguf/gguf.h"
+#include "link/link.h"
+#include "model/model.h"
+#include "plan/plan.h"
+#include "proto/proto.h"
+
+#define MAX_PENDING_LINKS 4  /* accepted connections waiting for their HELLO */
+#define HANDSHAKE_MS 3000    /* a HELLO must arrive within this */
+#define MAX_QUEUE 1024       /* submitted requests waiting */
+#define MAX_CANCELS 1024
+#define READ_CHUNK 65536
+
+struct seq {
+    bool used;
+    bool finished;            /* tail: the last token was sampled */
+    uint32_t req;
+    /* tail */
+    struct kvs_sampler *smp;
+    uint32_t max_tokens, generated;
+    bool ignore_eos;
+    uint32_t n_stop;
+    int32_t stop[KVS_PROTO_MAX_STOP];
+    /* head */
+    kvs_stage_event_fn cb;
+    void *user;
+    int32_t n_reported;
+    bool has_next;            /* a token is waiting to be fed */
+    int32_t next_tok, next_pos;
+};
+
+struct queued {
+    uint32_t req;
+    struct kvs_stage_request r; /* prompt/stop_ids point into owned copies */
+    int32_t *prompt;
+    int32_t stop[KVS_PROTO_MAX_STOP];
+};
+
+struct pending_link {
+    struct kvs_link *l;
+    struct kvs_proto_decoder *dec;
+    int64_t since;
+};
+
+enum out_state { OUT_DOWN = 0, OUT_HANDSHAKE, OUT_UP };
+
+struct kvs_stage {
+    struct kvs_stage_params p;
+    char listen_addr[256], next_addr[256];
+    struct kvs_gguf *g;
+    struct kvs_model *m;
+    struct kvs_tokenizer *tok; /* head only */
+    struct kvs_hparams hp;
+    uint8_t fp[32];
+    char fp_hex[65];
+    int32_t begin, end, n_ctx, n_seq, n_batch;
+    uint32_t n_embd, n_vocab;
+    bool is_head, is_tail;
+    int32_t eog[KVS_PROTO_MAX_STOP];
+    uint32_t n_eog;
+
+    struct kvs_listener *lst;
+    struct pending_link pend[MAX_PENDING_LINKS];
+    struct kvs_link *in;
+    struct kvs_proto_decoder *in_dec;
+    int64_t in_last_read;
+    struct kvs_link *out;
+    struct kvs_proto_decoder *out_dec;
+    enum out_state out_state;
+    int64_t out_next_dial, out_since, out_last_write;
+    int out_attempt;
+    bool out_warned;
+
+    /* head: ring probes */
+    uint32_t probe_no;
+    int64_t probe_sent, probe_back;
+
+    struct seq *seqs;
+    /* work buffers, sized at create */
+    uint8_t *sbuf;
+    size_t sbuf_cap;
+    uint8_t *rbuf;
+    float *x;      /* [n_batch][n_embd] boundary in */
+    float *y;      /* [max(n_batch*n_embd, n_seq*n_vocab)] forward out */
+    int32_t *b_tok, *b_seq, *b_pos;
+    int8_t *b_logits;
+    uint32_t *b_req;
+
+    int wake[2];
+    /* shared with other threads, under mu */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stopped;
+    struct queued *queue[MAX_QUEUE];
+    int n_queue;
+    uint32_t cancels[MAX_CANCELS];
+    int n_cancels;
+    uint32_t next_req;
+    struct kvs_stage_metrics met;
+};
+
+/* --- small helpers ---------------------------------------------------------- */
+
+struct kvs_stage_params kvs_stage_default_params(void)
+{
+    return (struct kvs_stage_params){ .block_begin = 0, .block_end = -1, .n_threads = 2, .n_seq = 4,
+                                      .n_batch = 512, .timeout_ms = 4000, .keepalive_ms = 1000,
+                                      .stop_fd = -1 };
+}
+
+static void wake(struct kvs_stage *s)
+{
+    char c = 1;
+    ssize_t r = write(s->wake[1], &c, 1);
+    (void)r; /* a full pipe already wakes the loop */
+}
+
+static void met_add(struct kvs_stage *s, uint64_t *field, uint64_t v)
+{
+    pthread_mutex_lock(&s->mu);
+    *field += v;
+    pthread_mutex_unlock(&s->mu);
+}
+
+static int32_t n_active(const struct kvs_stage *s)
+{
+    int32_t n = 0;
+    for (int32_t i = 0; i < s->n_seq; i++) n += s->seqs[i].used;
+    return n;
+}
+
+static void met_update(struct kvs_stage *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->met.n_active = n_active(s);
+    s->met.n_queued = s->n_queue;
+    s->met.in_up = s->in != NULL;
+    s->met.out_up = s->out_state == OUT_UP;
+    int64_t now = kvs_link_now_ms();
+    s->met.ring_ready = s->met.in_up && s->met.out_up &&
+                        (!s->is_head || (s->probe_back && now - s->probe_back < s->p.timeout_ms));
+    pthread_mutex_unlock(&s->mu);
+    pthread_cond_broadcast(&s->cv);
+}
+
+static struct seq *seq_find(struct kvs_stage *s, uint32_t req)
+{
+    for (int32_t i = 0; i < s->n_seq; i++)
+        if (s->seqs[i].used && s->seqs[i].req == req) return &s->seqs[i];
+    return NULL;
+}
+
+static int32_t seq_slot(const struct kvs_stage *s, const struct seq *q)
+{
+    return (int32_t)(q - s->seqs);
+}
+
+static struct seq *seq_alloc(struct kvs_stage *s, uint32_t req)
+{
+    for (int32_t i = 0; i < s->n_seq; i++)
+        if (!s->seqs[i].used) {
+            struct seq *q = &s->seqs[i];
+            memset(q, 0, sizeof *q);
+            q->used = true;
+            q->req = req;
+            kvs_model_seq_clear(s->m, i);
+            return q;
+        }
+    return NULL;
+}
+
+static void seq_free(struct kvs_stage *s, struct seq *q)
+{
+    kvs_sampler_free(q->smp);
+    kvs_model_seq_clear(s->m, seq_slot(s, q));
+    memset(q, 0, sizeof *q);
+}
+
+/* Head: deliver the final event of a request and free its slot. */
+static void head_end(struct kvs_stage *s, struct seq *q, kvs_err err, uint32_t finish, const char *msg)
+{
+    struct kvs_stage_event ev = { .kind = err ? KVS_STAGE_EVENT_ERROR : KVS_STAGE_EVENT_DONE, .req = q->req,
+                                  .finish = finish, .n_generated = q->n_reported, .err = err,
+                                  .message = msg ? msg : "" };
+    kvs_stage_event_fn cb = q->cb;
+    void *user = q->user;
+    met_add(s, err ? &s->met.requests_failed : &s->met.requests_done, 1);
+    seq_free(s, q);
+    if (cb) cb(user, &ev);
+}
+
+/* --- sending ---------------------------------------------------------------- */
+
+static void out_lost(struct kvs_stage *s, const char *why);
+
+/* Sends header h with payload already at sbuf + 24. Returns false if the out
+ * link is down or failed (the frame is dropped). */
+static bool send_built(struct kvs_stage *s, struct kvs_frame_header *h)
+{
+    if (s->out_state != OUT_UP) return false;
+    kvs_proto_put_header(s->sbuf, h);
+    size_t n = KVS_PROTO_HEADER_BYTES + h->payload_len;
+    kvs_err e = kvs_link_write(s->out, s->sbuf, n, s->p.timeout_ms);
+    if (e) {
+        char why[128];
+        snprintf(why, sizeof why, "writing %s: %s", kvs_frame_kind_name(h->kind), kvs_strerror(e));
+        out_lost(s, why);
+        return false;
+    }
+    s->out_last_write = kvs_link_now_ms();
+    met_add(s, &s->met.bytes_out, n);
+    return true;
+}
+
+static bool send_simple(struct kvs_stage *s, uint8_t kind, uint8_t flags, uint32_t req, uint32_t pos)
+{
+    struct kvs_frame_header h = { .kind = kind, .flags = flags, .req = req, .pos = pos };
+    return send_built(s, &h);
+}
+
+static bool send_error(struct kvs_stage *s, uint32_t req, kvs_err code, const char *msg)
+{
+    size_t n = kvs_proto_put_error(s->sbuf + KVS_PROTO_HEADER_BYTES, (uint32_t)code, msg);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_ERROR, .req = req, .payload_len = (uint32_t)n };
+    return send_built(s, &h);
+}
+
+/* Writes one ERROR directly on a link being refused (best effort). */
+static void refuse(struct kvs_link *l, kvs_err code, const char *msg)
+{
+    uint8_t buf[KVS_PROTO_HEADER_BYTES + 4 + KVS_PROTO_MAX_ERRMSG];
+    size_t n = kvs_proto_put_error(buf + KVS_PROTO_HEADER_BYTES, (uint32_t)code, msg);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_ERROR, .payload_len = (uint32_t)n };
+    kvs_proto_put_header(buf, &h);
+    (void)kvs_link_write(l, buf, KVS_PROTO_HEADER_BYTES + n, 500);
+}
+
+static void make_hello(const struct kvs_stage *s, struct kvs_hello *m, uint32_t role)
+{
+    memcpy(m->fingerprint, s->fp, 32);
+    m->n_block = s->hp.n_block;
+    m->block_begin = (uint32_t)s->begin;
+    m->block_end = (uint32_t)s->end;
+    m->n_embd = s->n_embd;
+    m->role = role;
+    m->n_ctx = (uint32_t)s->n_ctx;
+    m->n_seq = (uint32_t)s->n_seq;
+}
+
+static void write_hello(const struct kvs_stage *s, uint8_t *buf, uint32_t role)
+{
+    struct kvs_hello m;
+    make_hello(s, &m, role);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_HELLO, .payload_len = KVS_PROTO_HELLO_BYTES };
+    kvs_proto_put_header(buf, &h);
+    kvs_proto_put_hello(buf + KVS_PROTO_HEADER_BYTES, &m);
+}
+
+/* PROTOCOL.md §4: is `o` (the far end, acting as `role`) a valid neighbour? */
+static kvs_err check_hello(const struct kvs_stage *s, const struct kvs_hello *o, uint32_t role, char *msg,
+                           size_t cap)
+{
+    if (o->role != role) {
+        snprintf(msg, cap, "far end sent HELLO role %u, expected %u", o->role, role);
+        return KVS_ERR_FORMAT;
+    }
+    if (memcmp(o->fingerprint, s->fp, 32)) {
+        char hx[65];
+        kvs_gguf_fingerprint_hex(o->fingerprint, hx);
+        snprintf(msg, cap, "far end serves model %.16s..., this stage %.16s...", hx, s->fp_hex);
+        return KVS_ERR_MISMATCH;
+    }
+    if (o->n_block != s->hp.n_block || o->n_embd != s->n_embd) {
+        snprintf(msg, cap, "far end has n_block %u n_embd %u, this stage %u %u", o->n_block, o->n_embd,
+                 s->hp.n_block, s->n_embd);
+        return KVS_ERR_MISMATCH;
+    }
+    if (o->n_ctx != (uint32_t)s->n_ctx) {
+        snprintf(msg, cap, "far end has n_ctx %u, this stage %d", o->n_ctx, (int)s->n_ctx);
+        return KVS_ERR_MISMATCH;
+    }
+    /* pred = the stage before; succ = the stage after */
+    uint32_t pb, pe, sb, se;
+    if (role == KVS_HELLO_ROLE_PRED) {
+        pb = o->block_begin, pe = o->block_end, sb = (uint32_t)s->begin, se = (uint32_t)s->end;
+    } else {
+        pb = (uint32_t)s->begin, pe = (uint32_t)s->end, sb = o->block_begin, se = o->block_end;
+    }
+    bool ok = pb < pe && sb < se && (pe == sb || (pe == s->hp.n_block && sb == 0));
+    if (!ok) {
+        snprintf(msg, cap, "window [%u,%u) is not adjacent to [%u,%u)", pb, pe, sb, se);
+        return KVS_ERR_MISMATCH;
+    }
+    return KVS_OK;
+}
+
+/* --- link loss ---------------------------------------------------------------- */
+
+/* Every sequence is dead once a link on the data path broke. */
+static void drop_all(struct kvs_stage *s, kvs_err err, const char *msg)
+{
+    for (int32_t i = 0; i < s->n_seq; i++) {
+        if (!s->seqs[i].used) continue;
+        if (s->is_head) head_end(s, &s->seqs[i], err, 0, msg);
+        else seq_free(s, &s->seqs[i]);
+    }
+}
+
+static void in_lost(struct kvs_stage *s, const char *why)
+{
+    char msg[300];
+    snprintf(msg, sizeof msg, "stage [%d,%d) lost its predecessor %s: %s", (int)s->begin, (int)s->end,
+             s->in ? s->in->peer : "?", why);
+    KVS_LOGW("%s", msg);
+    kvs_link_close(s->in);
+    s->in = NULL;
+    kvs_proto_decoder_reset(s->in_dec);
+    met_add(s, &s->met.links_lost, 1);
+    drop_all(s, KVS_ERR_PEER, msg);
+    if (!s->is_head) send_error(s, 0, KVS_ERR_PEER, msg);
+    met_update(s);
+}
+
+static void out_lost(struct kvs_stage *s, const char *why)
+{
+    char msg[300];
+    snprintf(msg, sizeof msg, "stage [%d,%d) lost its successor %s: %s", (int)s->begin, (int)s->end,
+             s->next_addr, why);
+    if (s->out_state == OUT_UP) KVS_LOGW("%s", msg);
+    else KVS_LOGD("%s", msg);
+    bool was_up = s->out_state == OUT_UP;
+    kvs_link_close(s->out);
+    s->out = NULL;
+    s->out_state = OUT_DOWN;
+    kvs_proto_decoder_reset(s->out_dec);
+    s->out_next_dial = kvs_link_now_ms() + kvs_link_backoff_ms(s->out_attempt++);
+    if (was_up) {
+        met_add(s, &s->met.links_lost, 1);
+        drop_all(s, KVS_ERR_PEER, msg);
+    }
+    met_update(s);
+}
+
+/* --- forward ------------------------------------------------------------------ */
+
+static kvs_err forward(struct kvs_stage *s, const struct kvs_batch *b, float *out)
+{
+    if (s->p.step_delay_ms > 0) poll(NULL, 0, s->p.step_delay_ms);
+    int64_t t0 = kvs_link_now_ms();
+    kvs_err e = kvs_model_forward(s->m, b, out);
+    int64_t t1 = kvs_link_now_ms();
+    pthread_mutex_lock(&s->mu);
+    s->met.forward_calls++;
+    s->met.forward_ms += (double)(t1 - t0);
+    pthread_mutex_unlock(&s->mu);
+    return e;
+}
+
+/* Tail: sample from logits for request q whose token will sit at pos; send TOKEN. */
+static void tail_sample(struct kvs_stage *s, struct seq *q, const float *logits, int32_t pos)
+{
+    int32_t id = kvs_sampler_sample(q->smp, logits);
+    uint32_t finish = KVS_FINISH_NONE;
+    bool is_stop = false;
+    for (uint32_t i = 0; i < q->n_stop; i++) is_stop |= q->stop[i] == id;
+    q->generated++;
+    if (is_stop && !q->ignore_eos) {
+        finish = KVS_FINISH_STOP;
+    } else {
+        kvs_sampler_accept(q->smp, id);
+        if (q->generated >= q->max_tokens || pos >= s->n_ctx) finish = KVS_FINISH_LENGTH;
+    }
+    met_add(s, &s->met.tokens_generated, 1);
+    struct kvs_token_msg tm = { .token = id, .finish = finish };
+    kvs_proto_put_token(s->sbuf + KVS_PROTO_HEADER_BYTES, &tm);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_TOKEN, .flags = finish ? KVS_FRAME_FLAG_FINISHED : 0,
+                                  .req = q->req, .pos = (uint32_t)pos, .n_tokens = 1,
+                                  .payload_len = KVS_PROTO_TOKEN_BYTES };
+    if (finish) q->finished = true;
+    send_built(s, &h);
+}
+
+/* Fails request q on a non-head stage: free the slot, tell the head. */
+static void stage_fail_req(struct kvs_stage *s, struct seq *q, uint32_t req, kvs_err e, const char *msg)
+{
+    KVS_LOGW("request %u failed on stage [%d,%d): %s", req, (int)s->begin, (int)s->end, msg);
+    if (q) seq_free(s, q);
+    send_error(s, req, e, msg);
+}
+
+/* --- frame handlers ------------------------------------------------------------ */
+
+static void on_request_start(struct kvs_stage *s, const struct kvs_frame *f)
+{
+    uint32_t req = f->h.req;
+    struct kvs_req_params rp;
+    const uint8_t *prompt;
+    kvs_proto_get_req(f, &rp, &prompt);
+    if (seq_find(s, req)) {
+        stage_fail_req(s, NULL, req, KVS_ERR_FORMAT, "duplicate request id");
+        return;
+    }
+    char msg[160];
+    if (f->h.n_tokens >= (uint32_t)s->n_ctx) {
+        snprintf(msg, sizeof msg, "prompt of %u tokens does not fit n_ctx %d", f->h.n_tokens, (int)s->n_ctx);
+        stage_fail_req(s, NULL, req, KVS_ERR_RANGE, msg);
+        return;
+    }
+    struct seq *q = seq_alloc(s, req);
+    if (!q) {
+        snprintf(msg, sizeof msg, "no free sequence slot on stage [%d,%d) (%d slots)", (int)s->begin,
+                 (int)s->end, (int)s->n_seq);
+        stage_fail_req(s, NULL, req, KVS_ERR_FULL, msg);
+        return;
+    }
+    if (s->is_tail) {
+        struct kvs_sampler_params sp = { .temp = rp.temp, .top_k = rp.top_k, .top_p = rp.top_p, .min_p = rp.min_p,
+                                         .repeat_penalty = rp.repeat_penalty, .repeat_last_n = rp.repeat_last_n,
+                                         .seed = rp.seed };
+        if (kvs_sampler_create(&sp, (int32_t)s->n_vocab, &q->smp)) {
+            stage_fail_req(s, q, req, KVS_ERR_NOMEM, "cannot create a sampler");
+            return;
+        }
+        for (uint32_t i = 0; i < f->h.n_tokens; i++) kvs_sampler_accept(q->smp, kvs_proto_get_i32(prompt + 4 * i));
+        q->max_tokens = rp.max_tokens ? rp.max_tokens : 1;
+        q->ignore_eos = rp.ignore_eos;
+        q->n_stop = rp.n_stop;
+        memcpy(q->stop, rp.stop, sizeof q->stop);
+        return; /* the tail's successor is the head: nothing to forward */
+    }
+    /* forward unchanged */
+    memcpy(s->sbuf + KVS_PROTO_HEADER_BYTES, f->payload, f->h.payload_len);
+    struct kvs_frame_header h = f->h;
+    send_built(s, &h);
+}
+
+static void on_prefill(struct kvs_stage *s, const struct kvs_frame *f)
+{
+    uint32_t req = f->h.req, n = f->h.n_tokens;
+    struct seq *q = seq_find(s, req);
+    if (!q || q->finished) return; /* ended or failed here: drop */
+    char msg[160];
+    if (n > (uint32_t)s->n_batch) {
+        snprintf(msg, sizeof msg, "PREFILL of %u rows exceeds n_batch %d", n, (int)s->n_batch);
+        stage_fail_req(s, q, req, KVS_ERR_RANGE, msg);
+        return;
+    }
+    int32_t slot = seq_slot(s, q);
+    if ((int32_t)f->h.pos != kvs_model_seq_len(s->m, slot) || f->h.pos + n > (uint32_t)s->n_ctx) {
+        snprintf(msg, sizeof msg, "PREFILL at position %u does not continue the sequence (%d cached)", f->h.pos,
+                 (int)kvs_model_seq_len(s->m, slot));
+        stage_fail_req(s, q, req, KVS_ERR_RANGE, msg);
+        return;
+    }
+    bool f32 = f->h.flags & KVS_FRAME_FLAG_F32, last = f->h.flags & KVS_FRAME_FLAG_LAST;
+    kvs_proto_get_boundary(s->x, kvs_proto_boundary(f), (size_t)n * s->n_embd, f32);
+    for (uint32_t i = 0; i < n; i++) {
+        s->b_seq[i] = slot;
+        s->b_pos[i] = (int32_t)(f->h.pos + i);
+        s->b_logits[i] = (int8_t)(last && i + 1 == n);
+    }
+    struct kvs_batch b = { .n_tokens = (int32_t)n, .embd = s->x, .seq = s->b_seq, .pos = s->b_pos,
+                           .logits = s->b_logits };
+    kvs_err e = forward(s, &b, s->y);
+    if (e) {
+        snprintf(msg, sizeof msg, "forward on PREFILL failed: %s", kvs_strerror(e));
+        stage_fail_req(s, q, req, e, msg);
+        return;
+    }
+    met_add(s, &s->met.prefill_tokens, n);
+    if (s->is_tail) {
+        if (last) tail_sample(s, q, s->y, (int32_t)(f->h.pos + n));
+        return;
+    }
+    size_t bytes = kvs_proto_put_boundary(s->sbuf + KVS_PROTO_HEADER_BYTES, s->y, (size_t)n * s->n_embd,
+                                          s->p.boundary_f32);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_PREFILL,
+                                  .flags = (uint8_t)((last ? KVS_FRAME_FLAG_LAST : 0) |
+                                                     (s->p.boundary_f32 ? KVS_FRAME_FLAG_F32 : 0)),
+                                  .req = req, .pos = f->h.pos, .n_tokens = n, .payload_len = (uint32_t)bytes };
+    send_built(s, &h);
+}
+
+static void on_decode(struct kvs_stage *s, const struct kvs_frame *f)
+{
+    bool f32 = f->h.flags & KVS_FRAME_FLAG_F32;
+    const uint8_t *bnd = kvs_proto_boundary(f);
+    size_t row_bytes = (size_t)s->n_embd * (f32 ? 4 : 2);
+    int32_t n = 0;
+    for (uint32_t i = 0; i < f->h.n_tokens; i++) {
+        uint32_t req, pos;
+        kvs_proto_get_decode_row(f, i, &req, &pos);
+        struct seq *q = seq_find(s, req);
+        if (!q || q->finished) continue;
+        int32_t slot = seq_slot(s, q);
+        bool dup = false;
+        for (int32_t k = 0; k < n; k++) dup |= s->b_seq[k] == slot;
+        if (dup || n >= s->n_seq || (int32_t)pos != kvs_model_seq_len(s->m, slot) || pos >= (uint32_t)s->n_ctx) {
+            char msg[160];
+            snprintf(msg, sizeof msg, "DECODE row at position %u does not continue the sequence (%d cached)", pos,
+                     (int)kvs_model_seq_len(s->m, slot));
+            stage_fail_req(s, q, req, KVS_ERR_RANGE, msg);
+            continue;
+        }
+        kvs_proto_get_boundary(s->x + (size_t)n * s->n_embd, bnd + i * row_bytes, s->n_embd, f32);
+        s->b_req[n] = req;
+        s->b_seq[n] = slot;
+        s->b_pos[n] = (int32_t)pos;
+        s->b_logits[n] = 1;
+        n++;
+    }
+    if (n == 0) return;
+    struct kvs_batch b = { .n_tokens = n, .embd = s->x, .seq = s->b_seq, .pos = s->b_pos, .logits = s->b_logits };
+    kvs_err e = forward(s, &b, s->y);
+    if (e) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "forward on DECODE failed: %s", kvs_strerror(e));
+        for (int32_t k = 0; k < n; k++) stage_fail_req(s, seq_find(s, s->b_req[k]), s->b_req[k], e, msg);
+        return;
+    }
+    met_add(s, &s->met.decode_rows, (uint64_t)n);
+    if (s->is_tail) {
+        for (int32_t k = 0; k < n; k++) {
+            struct seq *q = seq_find(s, s->b_req[k]);
+            if (q) tail_sample(s, q, s->y + (size_t)k * s->n_vocab, s->b_pos[k] + 1);
+        }
+        return;
+    }
+    uint8_t *p = s->sbuf + KVS_PROTO_HEADER_BYTES;
+    for (int32_t k = 0; k < n; k++) {
+        kvs_proto_put_u32(p + 8 * k, s->b_req[k]);
+        kvs_proto_put_u32(p + 8 * k + 4, (uint32_t)s->b_pos[k]);
+    }
+    size_t bytes = 8 * (size_t)n + kvs_proto_put_boundary(p + 8 * (size_t)n, s->y, (size_t)n * s->n_embd,
+                                                          s->p.boundary_f32);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_DECODE, .flags = s->p.boundary_f32 ? KVS_FRAME_FLAG_F32 : 0,
+                                  .n_tokens = (uint32_t)n, .payload_len = (uint32_t)bytes };
+    send_built(s, &h);
+}
+
+/* Head: a TOKEN came back from the tail. */
+static void on_token(struct kvs_stage *s, const struct kvs_frame *f)
+{
+    struct seq *q = seq_find(s, f->h.req);
+    if (!q) return; /* cancelled or failed meanwhile */
+    struct kvs_token_msg tm;
+    kvs_proto_get_token(f, &tm);
+    if (tm.token < 0 || (uint32_t)tm.token >= s->n_vocab) {
+        uint32_t req = q->req;
+        head_end(s, q, KVS_ERR_FORMAT, 0, "the tail sent a token id outside the vocabulary");
+        send_simple(s, KVS_FRAME_CANCEL, 0, req, 0);
+        return;
+    }
+    met_add(s, &s->met.tokens_generated, 1);
+    if (tm.finish != KVS_FINISH_STOP) { /* a stop id is not part of the output */
+        q->n_reported++;
+        struct kvs_stage_event ev = { .kind = KVS_STAGE_EVENT_TOKEN, .req = q->req, .token = tm.token,
+                                      .pos = (int32_t)f->h.pos, .n_generated = q->n_reported };
+        q->cb(q->user, &ev);
+        q = seq_find(s, f->h.req); /* the callback may not free it, but be safe */
+        if (!q) return;
+    }
+    if (tm.finish) {
+        uint32_t req = q->req;
+        head_end(s, q, KVS_OK, tm.finish, NULL);
+        send_simple(s, KVS_FRAME_END, 0, req, 0);
+        return;
+    }
+    q->has_next = true;
+    q->next_tok = tm.token;
+    q->next_pos = (int32_t)f->h.pos;
+}
+
+static void on_end(struct kvs_stage *s, const struct kvs_frame *f)
+{
+    struct seq *q = seq_find(s, f->h.req);
+    if (s->is_head) { /* came back round: every stage has freed it */
+        if (q) head_end(s, q, KVS_ERR_CANCELLED, 0, "request ended by the ring");
+        return;
+    }
+    if (q) seq_free(s, q);
+    struct kvs_frame_header h = f->h;
+    send_built(s, &h);
+}
+
+static void on_error(struct kvs_stage *s, const struct kvs_frame *f)
+{
+    uint32_t code;
+    char msg[KVS_PROTO_MAX_ERRMSG + 1];
+    kvs_proto_get_error(f, &code, msg, sizeof msg);
+    kvs_err e = code > 0 && code < KVS_ERR_COUNT_ ? (kvs_err)code : KVS_ERR_PEER;
+    if (s->is_head) {
+        if (f->h.req == 0) {
+            KVS_LOGW("ring error: %s", msg);
+            drop_all(s, e, msg);
+        } else {
+            struct seq *q = seq_find(s, f->h.req);
+            if (q) {
+                head_end(s, q, e, 0, msg);
+                send_simple(s, KVS_FRAME_CANCEL, 0, f->h.req, 0);
+            }
+        }
+        return;
+    }
+    if (f->h.req == 0) drop_all(s, e, msg);
+    else if (seq_find(s, f->h.req)) seq_free(s, seq_find(s, f->h.req));
+    memcpy(s->sbuf + KVS_PROTO_HEADER_BYTES, f->payload, f->h.payload_len);
+    struct kvs_frame_header h = f->h;
+    send_built(s, &h);
+}
+
+static void on_keepalive(struct kvs_stage *s, const struct kvs_frame *f)
+{
+    if (!(f->h.flags & KVS_FRAME_FLAG_PROBE)) return;
+    if (s->is_head) {
+        if (f->h.pos == s->probe_no) s->probe_back = kvs_link_now_ms();
+        met_update(s);
+        return;
+    }
+    send_simple(s, KVS_FRAME_KEEPALIVE, KVS_FRAME_FLAG_PROBE, 0, f->h.pos);
+}
+
+/* A frame from the predecessor. Returns false if the link must close. */
+static bool dispatch(struct kvs_stage *s, const struct kvs_frame *f, char *why, size_t cap)
+{
+    switch ((enum kvs_frame_kind)f->h.kind) {
+    case KVS_FRAME_REQUEST_START:
+        if (s->is_head) break;
+        on_request_start(s, f);
+        return true;
+    case KVS_FRAME_PREFILL:
+        if (s->is_head) break;
+        on_prefill(s, f);
+        return true;
+    case KVS_FRAME_DECODE:
+        if (s->is_head) break;
+        on_decode(s, f);
+        return true;
+    case KVS_FRAME_TOKEN:
+        if (!s->is_head) break;
+        on_token(s, f);
+        return true;
+    case KVS_FRAME_END:
+    case KVS_FRAME_CANCEL:
+        on_end(s, f);
+        return true;
+    case KVS_FRAME_ERROR:
+        on_error(s, f);
+        return true;
+    case KVS_FRAME_KEEPALIVE:
+        on_keepalive(s, f);
+        return true;
+    case KVS_FRAME_HELLO:
+    case KVS_FRAME_KIND_COUNT_:
+        break;
+    }
+    snprintf(why, cap, "unexpected %s frame on the %s", kvs_frame_kind_name(f->h.kind),
+             s->is_head ? "head" : "stage");
+    return false;
+}
+
+/* --- links: accept, handshake, dial, read --------------------------------------- */
+
+static void pend_close(struct pending_link *pl)
+{
+    kvs_link_close(pl->l);
+    kvs_proto_decoder_free(pl->dec);
+    memset(pl, 0, sizeof *pl);
+}
+
+static void accept_new(struct kvs_stage *s)
+{
+    for (;;) {
+        struct kvs_link *l;
+        kvs_err e = kvs_tcp_accept(s->lst, &l);
+        if (e) return;
+        int slot = -1;
+        for (int i = 0; i < MAX_PENDING_LINKS; i++)
+            if (!s->pend[i].l) slot = i;
+        if (slot < 0) { /* evict the oldest */
+            slot = 0;
+            for (int i = 1; i < MAX_PENDING_LINKS; i++)
+                if (s->pend[i].since < s->pend[slot].since) slot = i;
+            KVS_LOGW("closing link from %s: no HELLO yet and too many pending links", s->pend[slot].l->peer);
+            pend_close(&s->pend[slot]);
+        }
+        s->pend[slot].dec = kvs_proto_decoder_create(KVS_PROTO_HELLO_BYTES + 64, s->n_embd);
+        if (!s->pend[slot].dec) {
+            kvs_link_close(l);
+            return;
+        }
+        s->pend[slot].l = l;
+        s->pend[slot].since = kvs_link_now_ms();
+        KVS_LOGD("accepted a link from %s", l->peer);
+    }
+}
+
+/* Reads from a pending (not yet introduced) link; installs it as the in link
+ * on a valid HELLO. */
+static void pend_read(struct kvs_stage *s, struct pending_link *pl)
+{
+    uint8_t buf[256];
+    size_t got;
+    kvs_err e = kvs_link_read(pl->l, buf, sizeof buf, &got);
+    if (e == KVS_ERR_NEED_MORE) return;
+    if (e) {
+        KVS_LOGD("pending link from %s closed before its HELLO", pl->l->peer);
+        pend_close(pl);
+        return;
+    }
+    size_t off = 0;
+    while (off < got) {
+        size_t used;
+        e = kvs_proto_decoder_feed(pl->dec, buf + off, got - off, &used);
+        off += used;
+        if (e == KVS_ERR_NEED_MORE) return;
+        char msg[256];
+        if (e) {
+            KVS_LOGW("closing link from %s: bad frame: %s", pl->l->peer, kvs_proto_decoder_error(pl->dec));
+            met_add(s, &s->met.frames_rejected, 1);
+            snprintf(msg, sizeof msg, "bad frame: %s", kvs_proto_decoder_error(pl->dec));
+            refuse(pl->l, e, msg);
+            pend_close(pl);
+            return;
+        }
+        const struct kvs_frame *f = kvs_proto_decoder_frame(pl->dec);
+        struct kvs_hello o;
+        kvs_err ce = KVS_ERR_FORMAT;
+        if (f->h.kind == KVS_FRAME_HELLO) {
+            kvs_proto_get_hello(f, &o);
+            ce = check_hello(s, &o, KVS_HELLO_ROLE_PRED, msg, sizeof msg);
+        } else {
+            snprintf(msg, sizeof msg, "first frame is %s, expected HELLO", kvs_frame_kind_name(f->h.kind));
+        }
+        if (ce) {
+            KVS_LOGW("refusing link from %s: %s", pl->l->peer, msg);
+            met_add(s, &s->met.frames_rejected, 1);
+            refuse(pl->l, ce, msg);
+            pend_close(pl);
+            return;
+        }
+        uint8_t hb[KVS_PROTO_HEADER_BYTES + KVS_PROTO_HELLO_BYTES];
+        write_hello(s, hb, KVS_HELLO_ROLE_SUCC);
+        if (kvs_link_write(pl->l, hb, sizeof hb, 1000)) {
+            pend_close(pl);
+            return;
+        }
+        if (s->in) in_lost(s, "replaced by a new link");
+        s->in = pl->l;
+        pl->l = NULL;
+        kvs_proto_decoder_reset(s->in_dec);
+        s->in_last_read = kvs_link_now_ms();
+        KVS_LOGI("predecessor [%u,%u) connected from %s", o.block_begin, o.block_end, s->in->peer);
+        if (off < got) /* bytes after the HELLO belong to the in link */
+            KVS_LOGD("dropping %zu early bytes from %s", got - off, s->in->peer);
+        pend_close(pl);
+        met_update(s);
+        return;
+    }
+}
+
+static void dial_next(struct kvs_stage *s)
+{
+    char err[256];
+    struct kvs_link *l;
+    kvs_err e = kvs_tcp_dial(s->next_addr, 500, &l, err, sizeof err);
+    if (e) {
+        if (!s->out_warned && s->out_attempt >= 20) {
+            KVS_LOGW("still cannot reach the successor: %s (retrying)", err);
+            s->out_warned = true;
+        }
+        s->out_next_dial = kvs_link_now_ms() + kvs_link_backoff_ms(s->out_attempt++);
+        return;
+    }
+    uint8_t hb[KVS_PROTO_HEADER_BYTES + KVS_PROTO_HELLO_BYTES];
+    write_hello(s, hb, KVS_HELLO_ROLE_PRED);
+    if (kvs_link_write(l, hb, sizeof hb, 1000)) {
+        kvs_link_close(l);
+        s->out_next_dial = kvs_link_now_ms() + kvs_link_backoff_ms(s->out_attempt++);
+        return;
+    }
+    s->out = l;
+    s->out_state = OUT_HANDSHAKE;
+    s->out_since = kvs_link_now_ms();
+    kvs_proto_decoder_reset(s->out_dec);
+}
+
+/* Reads on the out link: the HELLO reply, an ERROR refusal, or EOF. */
+static void out_read(struct kvs_stage *s)
+{
+    uint8_t buf[512];
+    size_t got;
+    kvs_err e = kvs_link_read(s->out, buf, sizeof buf, &got);
+    if (e == KVS_ERR_NEED_MORE) return;
+    if (e) {
+        out_lost(s, e == KVS_ERR_PEER ? "closed by the far end" : "read error");
+        return;
+    }
+    size_t off = 0;
+    while (off < got && s->out) {
+        size_t used;
+        e = kvs_proto_decoder_feed(s->out_dec, buf + off, got - off, &used);
+        off += used;
+        if (e == KVS_ERR_NEED_MORE) return;
+        char msg[KVS_PROTO_MAX_ERRMSG + 400];
+        if (e) {
+            snprintf(msg, sizeof msg, "bad frame from the successor: %s", kvs_proto_decoder_error(s->out_dec));
+            KVS_LOGW("%s", msg);
+            out_lost(s, msg);
+            return;
+        }
+        const struct kvs_frame *f = kvs_proto_decoder_frame(s->out_dec);
+        if (f->h.kind == KVS_FRAME_ERROR) {
+            uint32_t code;
+            char m2[KVS_PROTO_MAX_ERRMSG + 1];
+            kvs_proto_get_error(f, &code, m2, sizeof m2);
+            snprintf(msg, sizeof msg, "successor %s refused this stage: %s", s->next_addr, m2);
+            KVS_LOGW("%s", msg);
+            out_lost(s, msg);
+            return;
+        }
+        if (s->out_state == OUT_HANDSHAKE && f->h.kind == KVS_FRAME_HELLO) {
+            struct kvs_hello o;
+            kvs_proto_get_hello(f, &o);
+            kvs_err ce = check_hello(s, &o, KVS_HELLO_ROLE_SUCC, msg, sizeof msg);
+            if (ce) {
+                KVS_LOGW("successor %s does not fit: %s", s->next_addr, msg);
+                out_lost(s, msg);
+                return;
+            }
+            s->out_state = OUT_UP;
+            s->out_attempt = 0;
+            s->out_warned = false;
+            s->out_last_write = kvs_link_now_ms();
+            KVS_LOGI("successor [%u,%u) connected at %s", o.block_begin, o.block_end, s->next_addr);
+            met_update(s);
+            continue;
+        }
+        snprintf(msg, sizeof msg, "unexpected %s frame from the successor", kvs_frame_kind_name(f->h.kind));
+        out_lost(s, msg);
+        return;
+    }
+}
+
+static void in_read(struct kvs_stage *s)
+{
+    size_t got;
+    for (int rounds = 0; rounds < 64 && s->in; rounds++) {
+        kvs_err e = kvs_link_read(s->in, s->rbuf, READ_CHUNK, &got);
+        if (e == KVS_ERR_NEED_MORE) return;
+        if (e) {
+            in_lost(s, e == KVS_ERR_PEER ? "closed by the far end" : "read error");
+            return;
+        }
+        s->in_last_read = kvs_link_now_ms();
+        met_add(s, &s->met.bytes_in, got);
+        size_t off = 0;
+        while (off < got && s->in) {
+            size_t used;
+            e = kvs_proto_decoder_feed(s->in_dec, s->rbuf + off, got - off, &used);
+            off += used;
+            if (e == KVS_ERR_NEED_MORE) break;
+            char why[300];
+            if (e) {
+                snprintf(why, sizeof why, "bad frame: %s", kvs_proto_decoder_error(s->in_dec));
+                met_add(s, &s->met.frames_rejected, 1);
+                refuse(s->in, e, why);
+                in_lost(s, why);
+                return;
+            }
+            if (!dispatch(s, kvs_proto_decoder_frame(s->in_dec), why, sizeof why)) {
+                met_add(s, &s->met.frames_rejected, 1);
+                in_lost(s, why);
+                return;
+            }
+        }
+        if (got < READ_CHUNK) return;
+    }
+}
+
+/* --- head: admission, prefill, batched decode ------------------------------------ */
+
+static void head_start(struct kvs_stage *s, struct queued *w)
+{
+    struct seq *q = seq_alloc(s, w->req);
+    q->cb = w->r.on_event;
+    q->user = w->r.user;
+    struct kvs_req_params rp = { .temp = w->r.sampling.temp, .top_k = w->r.sampling.top_k,
+                                 .top_p = w->r.sampling.top_p, .min_p = w->r.sampling.min_p,
+                                 .repeat_penalty = w->r.sampling.repeat_penalty,
+                                 .repeat_last_n = w->r.sampling.repeat_last_n, .seed = w->r.sampling.seed,
+                                 .max_tokens = (uint32_t)w->r.max_tokens, .ignore_eos = w->r.ignore_eos,
+                                 .n_stop = (uint32_t)w->r.n_stop_ids };
+    memcpy(rp.stop, w->stop, sizeof rp.stop);
+    uint32_t n = (uint32_t)w->r.n_prompt;
+    kvs_proto_put_req(s->sbuf + KVS_PROTO_HEADER_BYTES, &rp, w->prompt, n);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_REQUEST_START,
+                                  .flags = rp.ignore_eos ? KVS_FRAME_FLAG_IGNORE_EOS : 0, .req = w->req,
+                                  .n_tokens = n, .payload_len = (uint32_t)kvs_proto_req_bytes(rp.n_stop, n) };
+    met_add(s, &s->met.requests_started, 1);
+    if (!send_built(s, &h)) {
+        head_end(s, q, KVS_ERR_PEER, 0, "the ring is not complete (successor link down)");
+        return;
+    }
+    int32_t slot = seq_slot(s, q);
+    for (uint32_t c = 0; c < n; c += (uint32_t)s->n_batch) {
+        uint32_t cnt = n - c < (uint32_t)s->n_batch ? n - c : (uint32_t)s->n_batch;
+        for (uint32_t i = 0; i < cnt; i++) {
+            s->b_seq[i] = slot;
+            s->b_pos[i] = (int32_t)(c + i);
+        }
+        struct kvs_batch b = { .n_tokens = (int32_t)cnt, .token = w->prompt + c, .seq = s->b_seq,
+                               .pos = s->b_pos };
+        kvs_err e = forward(s, &b, s->y);
+        if (e) {
+            char msg[128];
+            snprintf(msg, sizeof msg, "forward on the prompt failed: %s", kvs_strerror(e));
+            head_end(s, q, e, 0, msg);
+            send_simple(s, KVS_FRAME_CANCEL, 0, w->req, 0);
+            return;
+        }
+        met_add(s, &s->met.prefill_tokens, cnt);
+        bool last = c + cnt == n;
+        size_t bytes = kvs_proto_put_boundary(s->sbuf + KVS_PROTO_HEADER_BYTES, s->y, (size_t)cnt * s->n_embd,
+                                              s->p.boundary_f32);
+        struct kvs_frame_header ph = { .kind = KVS_FRAME_PREFILL,
+                                       .flags = (uint8_t)((last ? KVS_FRAME_FLAG_LAST : 0) |
+                                                          (s->p.boundary_f32 ? KVS_FRAME_FLAG_F32 : 0)),
+                                       .req = w->req, .pos = c, .n_tokens = cnt, .payload_len = (uint32_t)bytes };
+        if (!send_built(s, &ph)) return; /* out_lost failed every request */
+    }
+}
+
+static void free_queued(struct queued *w)
+{
+    if (!w) return;
+    free(w->prompt);
+    free(w);
+}
+
+static void head_admit(struct kvs_stage *s)
+{
+    for (;;) {
+        struct queued *w = NULL;
+        uint32_t cancel = 0;
+        pthread_mutex_lock(&s->mu);
+        if (s->n_cancels) {
+            cancel = s->cancels[--s->n_cancels];
+        } else if (s->n_queue && n_active(s) < s->n_seq) {
+            w = s->queue[0];
+            memmove(s->queue, s->queue + 1, (size_t)(s->n_queue - 1) * sizeof s->queue[0]);
+            s->n_queue--;
+        }
+        pthread_mutex_unlock(&s->mu);
+        if (cancel) {
+            struct seq *q = seq_find(s, cancel);
+            if (q) {
+                head_end(s, q, KVS_ERR_CANCELLED, 0, "cancelled");
+                send_simple(s, KVS_FRAME_CANCEL, 0, cancel, 0);
+            } else { /* maybe still queued */
+                pthread_mutex_lock(&s->mu);
+                for (int i = 0; i < s->n_queue; i++)
+                    if (s->queue[i]->req == cancel) {
+                        w = s->queue[i];
+                        memmove(s->queue + i, s->queue + i + 1, (size_t)(s->n_queue - i - 1) * sizeof s->queue[0]);
+                        s->n_queue--;
+                        break;
+                    }
+                pthread_mutex_unlock(&s->mu);
+                if (w) {
+                    struct kvs_stage_event ev = { .kind = KVS_STAGE_EVENT_ERROR, .req = w->req,
+                                                  .err = KVS_ERR_CANCELLED, .message = "cancelled" };
+                    met_add(s, &s->met.requests_failed, 1);
+                    w->r.on_event(w->r.user, &ev);
+                    free_queued(w);
+                }
+            }
+            continue;
+        }
+        if (!w) break;
+        met_update(s);
+        bool ready;
+        pthread_mutex_lock(&s->mu);
+        ready = s->met.ring_ready;
+        pthread_mutex_unlock(&s->mu);
+        if (!ready) {
+            struct kvs_stage_event ev = { .kind = KVS_STAGE_EVENT_ERROR, .req = w->req, .err = KVS_ERR_PEER,
+                                          .message = "the ring is not complete" };
+            met_add(s, &s->met.requests_failed, 1);
+            w->r.on_event(w->r.user, &ev);
+        } else {
+            head_start(s, w);
+        }
+        free_queued(w);
+    }
+    met_update(s);
+}
+
+static void head_decode(struct kvs_stage *s)
+{
+    int32_t n = 0;
+    for (int32_t i = 0; i < s->n_seq; i++) {
+        struct seq *q = &s->seqs[i];
+        if (!q->used || !q->has_next) continue;
+        if (q->next_pos != kvs_model_seq_len(s->m, i) || q->next_pos >= s->n_ctx) {
+            uint32_t req = q->req;
+            head_end(s, q, KVS_ERR_RANGE, 0, "the tail sent a token at an unexpected position");
+            send_simple(s, KVS_FRAME_CANCEL, 0, req, 0);
+            continue;
+        }
+        s->b_tok[n] = q->next_tok;
+        s->b_seq[n] = i;
+        s->b_pos[n] = q->next_pos;
+        s->b_req[n] = q->req;
+        q->has_next = false;
+        n++;
+    }
+    if (n == 0) return;
+    struct kvs_batch b = { .n_tokens = n, .token = s->b_tok, .seq = s->b_seq, .pos = s->b_pos };
+    kvs_err e = forward(s, &b, s->y);
+    if (e) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "decode forward failed: %s", kvs_strerror(e));
+        for (int32_t k = 0; k < n; k++) {
+            struct seq *q = seq_find(s, s->b_req[k]);
+            if (q) head_end(s, q, e, 0, msg);
+            send_simple(s, KVS_FRAME_CANCEL, 0, s->b_req[k], 0);
+        }
+        return;
+    }
+    met_add(s, &s->met.decode_rows, (uint64_t)n);
+    uint8_t *p = s->sbuf + KVS_PROTO_HEADER_BYTES;
+    for (int32_t k = 0; k < n; k++) {
+        kvs_proto_put_u32(p + 8 * k, s->b_req[k]);
+        kvs_proto_put_u32(p + 8 * k + 4, (uint32_t)s->b_pos[k]);
+    }
+    size_t bytes = 8 * (size_t)n + kvs_proto_put_boundary(p + 8 * (size_t)n, s->y, (size_t)n * s->n_embd,
+                                                          s->p.boundary_f32);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_DECODE, .flags = s->p.boundary_f32 ? KVS_FRAME_FLAG_F32 : 0,
+                                  .n_tokens = (uint32_t)n, .payload_len = (uint32_t)bytes };
+    send_built(s, &h);
+}
+
+/* --- timers ----------------------------------------------------------------------- */
+
+static void timers(struct kvs_stage *s)
+{
+    int64_t now = kvs_link_now_ms();
+    for (int i = 0; i < MAX_PENDING_LINKS; i++)
+        if (s->pend[i].l && now - s->pend[i].since > HANDSHAKE_MS) {
+            KVS_LOGW("closing link from %s: no HELLO within %d ms", s->pend[i].l->peer, HANDSHAKE_MS);
+            pend_close(&s->pend[i]);
+        }
+    if (s->in && now - s->in_last_read > s->p.timeout_ms) {
+        char why[64];
+        snprintf(why, sizeof why, "silent for %d ms", (int)(now - s->in_last_read));
+        in_lost(s, why);
+    }
+    if (s->out_state == OUT_DOWN && now >= s->out_next_dial) dial_next(s);
+    if (s->out_state == OUT_HANDSHAKE && now - s->out_since > HANDSHAKE_MS) out_lost(s, "no HELLO reply");
+    if (s->out_state == OUT_UP) {
+        if (s->is_head && now - s->probe_sent >= s->p.keepalive_ms) {
+            s->probe_no++;
+            s->probe_sent = now;
+            send_simple(s, KVS_FRAME_KEEPALIVE, KVS_FRAME_FLAG_PROBE, 0, s->probe_no);
+        } else if (now - s->out_last_write >= s->p.keepalive_ms) {
+            send_simple(s, KVS_FRAME_KEEPALIVE, 0, 0, 0);
+        }
+    }
+    if (s->is_head && n_active(s) > 0 && s->probe_back && now - s->probe_back > s->p.timeout_ms) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "ring stalled: no probe came back for %d ms", (int)(now - s->probe_back));
+        KVS_LOGW("%s", msg);
+        drop_all(s, KVS_ERR_TIMEOUT, msg);
+    }
+    met_update(s);
+}
+
+/* --- public ------------------------------------------------------------------------ */
+
+kvs_err kvs_stage_run(struct kvs_stage *s)
+{
+    KVS_LOGI("stage [%d,%d) of %u blocks listening on %s (port %u), next %s%s%s", (int)s->begin, (int)s->end,
+             s->hp.n_block, s->listen_addr, kvs_stage_listen_port(s), s->next_addr, s->is_head ? ", head" : "",
+             s->is_tail ? ", tail" : "");
+    for (;;) {
+        bool stop = false;
+        struct pollfd pf[5 + MAX_PENDING_LINKS];
+        int np = 0, i_in = -1, i_out = -1, i_stop = -1, i_pend[MAX_PENDING_LINKS];
+        pf[np++] = (struct pollfd){ .fd = s->wake[0], .events = POLLIN };
+        pf[np++] = (struct pollfd){ .fd = kvs_listener_fd(s->lst), .events = POLLIN };
+        if (s->p.stop_fd >= 0) {
+            i_stop = np;
+            pf[np++] = (struct pollfd){ .fd = s->p.stop_fd, .events = POLLIN };
+        }
+        if (s->in) {
+            i_in = np;
+            pf[np++] = (struct pollfd){ .fd = kvs_link_fd(s->in), .events = POLLIN };
+        }
+        if (s->out) {
+            i_out = np;
+            pf[np++] = (struct pollfd){ .fd = kvs_link_fd(s->out), .events = POLLIN };
+        }
+        for (int i = 0; i < MAX_PENDING_LINKS; i++) {
+            i_pend[i] = -1;
+            if (s->pend[i].l) {
+                i_pend[i] = np;
+                pf[np++] = (struct pollfd){ .fd = kvs_link_fd(s->pend[i].l), .events = POLLIN };
+            }
+        }
+        int r = poll(pf, (nfds_t)np, 100);
+        if (r < 0 && errno != EINTR) return KVS_ERR_IO;
+        if (r > 0) {
+            if (pf[0].revents) {
+                char buf[64];
+                ssize_t n;
+                while ((n = read(s->wake[0], buf, sizeof buf)) > 0)
+                    for (ssize_t k = 0; k < n; k++)
+                        if (buf[k] == 's') stop = true;
+                if (stop) break;
+            }
+            if (i_stop >= 0 && pf[i_stop].revents) break;
+            if (pf[1].revents) accept_new(s);
+            for (int i = 0; i < MAX_PENDING_LINKS; i++)
+                if (i_pend[i] >= 0 && pf[i_pend[i]].revents && s->pend[i].l) pend_read(s, &s->pend[i]);
+            if (i_out >= 0 && pf[i_out].revents && s->out) out_read(s);
+            if (i_in >= 0 && pf[i_in].revents && s->in) in_read(s);
+        }
+        if (s->is_head) {
+            head_admit(s);
+            head_decode(s);
+        }
+        timers(s);
+    }
+    KVS_LOGI("stage [%d,%d) stopping", (int)s->begin, (int)s->end);
+    /* Nothing is served any more: end every request the head holds. */
+    pthread_mutex_lock(&s->mu);
+    s->stopped = true;
+    pthread_mutex_unlock(&s->mu);
+    if (s->is_head) {
+        drop_all(s, KVS_ERR_CANCELLED, "the head stage stopped");
+        for (;;) {
+            struct queued *w = NULL;
+            pthread_mutex_lock(&s->mu);
+            if (s->n_queue) w = s->queue[--s->n_queue];
+            pthread_mutex_unlock(&s->mu);
+            if (!w) break;
+            struct kvs_stage_event ev = { .kind = KVS_STAGE_EVENT_ERROR, .req = w->req, .err = KVS_ERR_CANCELLED,
+                                          .message = "the head stage stopped" };
+            w->r.on_event(w->r.user, &ev);
+            free_queued(w);
+        }
+    }
+    return KVS_OK;
+}
+
+void kvs_stage_stop(struct kvs_stage *s)
+{
+    char c = 's'; /* only a pipe write: async-signal-safe */
+    ssize_t r = write(s->wake[1], &c, 1);
+    (void)r;
+}
+
+kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **out, char *errbuf, size_t errlen)
+{
+    char err[512] = "";
+    kvs_err e = KVS_OK;
+    struct kvs_stage *s = calloc(1, sizeof *s);
+    if (!s) return KVS_ERR_NOMEM;
+    s->wake[0] = s->wake[1] = -1;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    s->p = *p;
+    if (s->p.n_threads <= 0) s->p.n_threads = 2;
+    if (s->p.n_seq <= 0) s->p.n_seq = 4;
+    if (s->p.n_batch <= 0) s->p.n_batch = 512;
+    if (s->p.timeout_ms <= 0) s->p.timeout_ms = 4000;
+    if (s->p.keepalive_ms <= 0) s->p.keepalive_ms = 1000;
+    s->next_req = 1;
+    if (!p->model_path || !p->listen || !p->next) {
+        snprintf(err, sizeof err, "a stage needs a model, a listen address and a next address");
+        e = KVS_ERR_ARG;
+        goto fail;
+    }
+    snprintf(s->listen_addr, sizeof s->listen_addr, "%s", p->listen);
+    snprintf(s->next_addr, sizeof s->next_addr, "%s", p->next);
+    s->p.listen = s->listen_addr;
+    s->p.next = s->next_addr;
+    s->p.model_path = NULL;
+    s->p.fingerprint = NULL;
+
+    if ((e = kvs_gguf_open(p->model_path, &s->g, err, sizeof err))) goto fail;
+    if ((e = kvs_gguf_fingerprint(s->g, s->fp))) {
+        snprintf(err, sizeof err, "cannot fingerprint %s", p->model_path);
+        goto fail;
+    }
+    kvs_gguf_fingerprint_hex(s->fp, s->fp_hex);
+    if (p->fingerprint && p->fingerprint[0] && strcmp(p->fingerprint, s->fp_hex)) {
+        snprintf(err, sizeof err, "%s has fingerprint %s, the manifest expects %s", p->model_path, s->fp_hex,
+                 p->fingerprint);
+        e = KVS_ERR_MISMATCH;
+        goto fail;
+    }
+    struct kvs_model_params mp = kvs_model_default_params();
+    mp.block_begin = p->block_begin;
+    mp.block_end = p->block_end;
+    mp.n_ctx = p->n_ctx;
+    mp.n_seq = s->p.n_seq;
+    mp.n_batch = s->p.n_batch;
+    mp.n_threads = s->p.n_threads;
+    if ((e = kvs_model_load(s->g, &mp, &s->m, err, sizeof err))) goto fail;
+    s->hp = *kvs_model_hparams(s->m);
+    s->begin = kvs_model_block_begin(s->m);
+    s->end = kvs_model_block_end(s->m);
+    s->n_ctx = kvs_model_n_ctx(s->m);
+    s->n_seq = kvs_model_n_seq(s->m);
+    s->n_batch = s->p.n_batch;
+    s->n_embd = s->hp.n_embd;
+    s->n_vocab = s->hp.n_vocab;
+    s->is_head = kvs_model_has_embd(s->m);
+    s->is_tail = kvs_model_has_head(s->m);
+    if (s->is_head && s->is_tail) {
+        snprintf(err, sizeof err, "window [%d,%d) is the whole model: a ring needs at least two stages",
+                 (int)s->begin, (int)s->end);
+        e = KVS_ERR_ARG;
+        goto fail;
+    }
+    if (s->is_head) {
+        if ((e = kvs_tokenizer_load(s->g, &s->tok, err, sizeof err))) goto fail;
+        int32_t nv = kvs_tokenizer_n_vocab(s->tok);
+        for (int32_t id = 0; id < nv && s->n_eog < KVS_PROTO_MAX_STOP; id++)
+            if (kvs_tokenizer_is_eog(s->tok, id)) s->eog[s->n_eog++] = id;
+    }
+    size_t rows_out = (size_t)s->n_batch * s->n_embd;
+    if (s->is_tail && (size_t)s->n_seq * s->n_vocab > rows_out) rows_out = (size_t)s->n_seq * s->n_vocab;
+    uint64_t max_payload = kvs_proto_decode_bytes((uint32_t)s->n_batch, s->n_embd, true) + 4096;
+    uint64_t req_max = kvs_proto_req_bytes(KVS_PROTO_MAX_STOP, (uint32_t)s->n_ctx);
+    if (req_max + 4096 > max_payload) max_payload = req_max + 4096;
+    if (max_payload > KVS_PROTO_MAX_PAYLOAD) {
+        snprintf(err, sizeof err, "n_batch %d x n_embd %u exceeds the frame cap", (int)s->n_batch, s->n_embd);
+        e = KVS_ERR_RANGE;
+        goto fail;
+    }
+    s->sbuf_cap = KVS_PROTO_HEADER_BYTES + (size_t)max_payload;
+    s->sbuf = malloc(s->sbuf_cap);
+    s->rbuf = malloc(READ_CHUNK);
+    s->x = malloc((size_t)s->n_batch * s->n_embd * sizeof(float));
+    s->y = malloc(rows_out * sizeof(float));
+    s->b_tok = malloc((size_t)s->n_batch * sizeof(int32_t));
+    s->b_seq = malloc((size_t)s->n_batch * sizeof(int32_t));
+    s->b_pos = malloc((size_t)s->n_batch * sizeof(int32_t));
+    s->b_req = malloc((size_t)s->n_batch * sizeof(uint32_t));
+    s->b_logits = malloc((size_t)s->n_batch);
+    s->seqs = calloc((size_t)s->n_seq, sizeof *s->seqs);
+    s->in_dec = kvs_proto_decoder_create((uint32_t)max_payload, s->n_embd);
+    s->out_dec = kvs_proto_decoder_create(KVS_PROTO_HELLO_BYTES + 4 + KVS_PROTO_MAX_ERRMSG, s->n_embd);
+    if (!s->sbuf || !s->rbuf || !s->x || !s->y || !s->b_tok || !s->b_seq || !s->b_pos || !s->b_req ||
+        !s->b_logits || !s->seqs || !s->in_dec || !s->out_dec) {
+        snprintf(err, sizeof err, "out of memory for stage buffers");
+        e = KVS_ERR_NOMEM;
+        goto fail;
+    }
+    if (pipe2(s->wake, O_NONBLOCK | O_CLOEXEC)) {
+        snprintf(err, sizeof err, "pipe: %s", strerror(errno));
+        e = KVS_ERR_IO;
+        goto fail;
+    }
+    if ((e = kvs_tcp_listen(s->listen_addr, &s->lst, err, sizeof err))) goto fail;
+    met_update(s);
+    *out = s;
+    return KVS_OK;
+fail:
+    if (errbuf && errlen) snprintf(errbuf, errlen, "%s", err[0] ? err : kvs_strerror(e));
+    kvs_stage_free(s);
+    return e ? e : KVS_ERR_INTERNAL;
+}
+
+void kvs_stage_free(struct kvs_stage *s)
+{
+    if (!s) return;
+    if (s->seqs)
+        for (int32_t i = 0; i < s->n_seq; i++)
+            if (s->seqs[i].used) {
+                if (s->is_head) head_end(s, &s->seqs[i], KVS_ERR_CANCELLED, 0, "stage shut down");
+                else seq_free(s, &s->seqs[i]);
+            }
+    for (int i = 0; i < s->n_queue; i++) free_queued(s->queue[i]);
+    for (int i = 0; i < MAX_PENDING_LINKS; i++) pend_close(&s->pend[i]);
+    kvs_link_close(s->in);
+    kvs_link_close(s->out);
+    kvs_listener_close(s->lst);
+    kvs_proto_decoder_free(s->in_dec);
+    kvs_proto_decoder_free(s->out_dec);
+    if (s->wake[0] >= 0) close(s->wake[0]);
+    if (s->wake[1] >= 0) close(s->wake[1]);
+    free(s->sbuf);
+    free(s->rbuf);
+    free(s->x);
+    free(s->y);
+    free(s->b_tok);
+    free(s->b_seq);
+    free(s->b_pos);
+    free(s->b_req);
+    free(s->b_logits);
+    free(s->seqs);
+    kvs_tokenizer_free(s->tok);
+    kvs_model_free(s->m);
+    kvs_gguf_close(s->g);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+}
+
+uint16_t kvs_stage_listen_port(const struct kvs_stage *s)
+{
+    return kvs_listener_port(s->lst);
+}
+
+bool kvs_stage_is_head(const struct kvs_stage *s)
+{
+    return s->is_head;
+}
+
+const struct kvs_tokenizer *kvs_stage_tokenizer(const struct kvs_stage *s)
+{
+    return s->tok;
+}
+
+kvs_err kvs_stage_submit(struct kvs_stage *s, const struct kvs_stage_request *r, uint32_t *req)
+{
+    if (!s->is_head || !r || !r->on_event || !r->prompt || r->n_prompt < 1 || r->max_tokens < 1 ||
+        r->n_stop_ids < 0 || r->n_stop_ids > (int32_t)KVS_PROTO_MAX_STOP)
+        return KVS_ERR_ARG;
+    if (r->n_prompt >= s->n_ctx) return KVS_ERR_RANGE;
+    for (int32_t i = 0; i < r->n_prompt; i++)
+        if (r->prompt[i] < 0 || (uint32_t)r->prompt[i] >= s->n_vocab) return KVS_ERR_RANGE;
+    struct queued *w = calloc(1, sizeof *w);
+    if (!w) return KVS_ERR_NOMEM;
+    w->prompt = malloc((size_t)r->n_prompt * sizeof(int32_t));
+    if (!w->prompt) {
+        free(w);
+        return KVS_ERR_NOMEM;
+    }
+    memcpy(w->prompt, r->prompt, (size_t)r->n_prompt * sizeof(int32_t));
+    w->r = *r;
+    w->r.prompt = w->prompt;
+    if (r->stop_ids && r->n_stop_ids > 0) {
+        memcpy(w->stop, r->stop_ids, (size_t)r->n_stop_ids * sizeof(int32_t));
+    } else {
+        memcpy(w->stop, s->eog, sizeof w->stop);
+        w->r.n_stop_ids = (int32_t)s->n_eog;
+    }
+    w->r.stop_ids = w->stop;
+    pthread_mutex_lock(&s->mu);
+    if (s->n_queue >= MAX_QUEUE || s->stopped) {
+        kvs_err e = s->stopped ? KVS_ERR_CANCELLED : KVS_ERR_FULL;
+        pthread_mutex_unlock(&s->mu);
+        free_queued(w);
+        return e;
+    }
+    w->req = s->next_req++;
+    if (s->next_req == 0) s->next_req = 1;
+    s->queue[s->n_queue++] = w;
+    if (req) *req = w->req;
+    pthread_mutex_unlock(&s->mu);
+    wake(s);
+    return KVS_OK;
+}
+
+kvs_err kvs_stage_cancel(struct kvs_stage *s, uint32_t req)
+{
+    pthread_mutex_lock(&s->mu);
+    if (s->n_cancels >= MAX_CANCELS) {
+        pthread_mutex_unlock(&s->mu);
+        return KVS_ERR_FULL;
+    }
+    s->cancels[s->n_cancels++] = req;
+    pthread_mutex_unlock(&s->mu);
+    wake(s);
+    return KVS_OK;
+}
+
+bool kvs_stage_ring_ready(struct kvs_stage *s)
+{
+    pthread_mutex_lock(&s->mu);
+    bool r = s->met.ring_ready;
+    pthread_mutex_unlock(&s->mu);
+    return r;
+}
+
+kvs_err kvs_stage_wait_ready(struct kvs_stage *s, int timeout_ms)
+{
+    int64_t deadline = kvs_link_now_ms() + timeout_ms;
+    pthread_mutex_lock(&s->mu);
+    while (!s->met.ring_ready) {
+        int64_t left = deadline - kvs_link_now_ms();
+        if (left <= 0) {
+            pthread_mutex_unlock(&s->mu);
+            return KVS_ERR_TIMEOUT;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        int64_t step = left < 100 ? left : 100;
+        ts.tv_nsec += (long)(step * 1000000);
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return KVS_OK;
+}
+
+void kvs_stage_metrics(struct kvs_stage *s, struct kvs_stage_metrics *m)
+{
+    pthread_mutex_lock(&s->mu);
+    *m = s->met;
+    pthread_mutex_unlock(&s->mu);
+}
+
+kvs_err kvs_stage_params_from_manifest(const struct kvs_manifest *mf, int32_t rank, struct kvs_stage_params *p)
+{
+    if (rank < 0 || (size_t)rank >= mf->n_ranks) return KVS_ERR_NOT_FOUND;
+    if (!mf->model_path[0]) return KVS_ERR_ARG;
+    const struct kvs_manifest_rank *k = &mf->ranks[rank];
+    p->model_path = mf->model_path;
+    p->fingerprint = mf->fingerprint[0] ? mf->fingerprint : NULL;
+    p->block_begin = (int32_t)k->begin;
+    p->block_end = (int32_t)k->end;
+    p->listen = k->listen;
+    p->next = k->next;
+    if (k->threads > 0) p->n_threads = (int32_t)k->threads;
+    return KVS_OK;
+}

@@ -1,0 +1,156 @@
+/* A ring stage: one process's part of a model served over a ring of links.
+ *
+ * A stage holds blocks [begin, end) of a model (kvs_model), accepts a link
+ * from its predecessor and dials its successor (the tail's successor is the
+ * head), and runs the loop of docs/PROTOCOL.md: frames in -> forward -> frames
+ * out. The head (begin 0) also admits requests through the request API below
+ * (used by `kvasir run --ring`, and by the HTTP API): it owns the prompt, feeds
+ * sampled tokens back in, and reports every token to the request's callback.
+ * The tail (end == n_block) samples with the parameters that travel with each
+ * request. Several sequences in flight are batched into one forward call on
+ * every stage (one DECODE frame per step of the batch).
+ *
+ * Faults (PROTOCOL.md §5): a lost or silent neighbour fails every request in
+ * flight with an error event within the timeout (default 4 s); the stage stays
+ * up, re-dials / re-accepts, and serves new requests once the ring is whole.
+ *
+ * Threads: kvs_stage_run runs the loop on the calling thread. kvs_stage_submit,
+ * kvs_stage_cancel, kvs_stage_stop, kvs_stage_metrics and kvs_stage_ring_ready
+ * may be called from any thread while it runs. Request callbacks are invoked on
+ * the loop thread and must not block (copy the data and return).
+ */
+#ifndef KVS_STAGE_H
+#define KVS_STAGE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/error.h"
+#include "sampler/sampler.h"
+#include "tokenizer/tokenizer.h"
+
+struct kvs_stage_params {
+    const char *model_path;   /* GGUF file (full model or a shard of it) */
+    int32_t block_begin;      /* window [begin, end); end -1 = n_block */
+    int32_t block_end;
+    const char *listen;       /* "HOST:PORT" to accept the predecessor on (port 0: any free port) */
+    const char *next;         /* "HOST:PORT" of the successor */
+    int32_t n_threads;        /* compute threads (default 2) */
+    int32_t n_ctx;            /* positions per sequence, 0 = model default; all stages must agree */
+    int32_t n_seq;            /* sequence slots (default 4) */
+    int32_t n_batch;          /* most tokens per forward and per PREFILL frame (default 512); all stages must agree */
+    bool boundary_f32;        /* send boundaries as F32 instead of F16 */
+    int32_t timeout_ms;       /* in-link silence / ring probe timeout (default 4000) */
+    int32_t keepalive_ms;     /* keepalive and probe period (default 1000) */
+    int32_t step_delay_ms;    /* test hook: sleep before every forward (default 0) */
+    const char *fingerprint;  /* expected model fingerprint (hex) or NULL: checked at create */
+    int stop_fd;              /* extra fd: readable -> kvs_stage_run returns (e.g. a signalfd); -1 none */
+};
+struct kvs_stage_params kvs_stage_default_params(void);
+
+struct kvs_stage; /* opaque */
+
+/* Loads the window, opens the listening socket and prepares every buffer
+ * (the loop allocates only when a request starts). Errors: those of
+ * kvs_gguf_open / kvs_model_load / kvs_tcp_listen, KVS_ERR_MISMATCH (the file's
+ * fingerprint is not params->fingerprint), KVS_ERR_ARG (a window of the whole
+ * model: a ring needs at least two stages). errbuf gets a message. */
+kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **out, char *errbuf, size_t errlen);
+/* Stops (if running: call kvs_stage_stop and join first), closes links, frees. NULL allowed. */
+void kvs_stage_free(struct kvs_stage *s);
+
+/* Runs the loop until kvs_stage_stop is called or stop_fd becomes readable.
+ * Returns KVS_OK then; an error only if polling itself fails. */
+kvs_err kvs_stage_run(struct kvs_stage *s);
+/* Asks the loop to return (thread-safe; also async-signal-safe). */
+void kvs_stage_stop(struct kvs_stage *s);
+
+/* The port actually listened on (useful with port 0). */
+uint16_t kvs_stage_listen_port(const struct kvs_stage *s);
+bool kvs_stage_is_head(const struct kvs_stage *s);
+/* Head only: the model's tokenizer (borrowed, lives as long as s); NULL on other stages. */
+const struct kvs_tokenizer *kvs_stage_tokenizer(const struct kvs_stage *s);
+
+/* --- request API (head only) --------------------------------------------- */
+
+enum kvs_stage_event_kind {
+    KVS_STAGE_EVENT_TOKEN = 1, /* a generated token (not sent for a stop id) */
+    KVS_STAGE_EVENT_DONE,      /* finished normally: `finish` says why; last event */
+    KVS_STAGE_EVENT_ERROR,     /* failed or cancelled: `err` + `message`; last event */
+};
+
+struct kvs_stage_event {
+    enum kvs_stage_event_kind kind;
+    uint32_t req;          /* request id from kvs_stage_submit */
+    int32_t token;         /* TOKEN: the id */
+    int32_t pos;           /* TOKEN: its position in the sequence */
+    uint32_t finish;       /* DONE: enum kvs_finish (proto.h): 1 stop id, 2 length */
+    int32_t n_generated;   /* tokens reported so far */
+    kvs_err err;           /* ERROR: KVS_ERR_CANCELLED, KVS_ERR_PEER (ring broken), KVS_ERR_TIMEOUT, ... */
+    const char *message;   /* ERROR: text (borrowed for the call) */
+};
+
+typedef void (*kvs_stage_event_fn)(void *user, const struct kvs_stage_event *ev);
+
+struct kvs_stage_request {
+    const int32_t *prompt;   /* [n_prompt] ids (copied by submit) */
+    int32_t n_prompt;        /* 1 .. n_ctx - 1 */
+    struct kvs_sampler_params sampling;
+    int32_t max_tokens;      /* >= 1 */
+    bool ignore_eos;         /* do not stop at stop ids */
+    const int32_t *stop_ids; /* [n_stop_ids]; NULL/0: the tokenizer's end-of-generation ids */
+    int32_t n_stop_ids;      /* <= KVS_PROTO_MAX_STOP (16) */
+    kvs_stage_event_fn on_event; /* required */
+    void *user;
+};
+
+/* Queues a request (copies it); returns its id in *req. It starts when a
+ * slot is free on the head. Events arrive through on_event; exactly one DONE
+ * or ERROR ends it. If the ring is not whole when the loop picks it up it
+ * fails at once (ERROR, KVS_ERR_PEER). Text stop strings are the caller's
+ * job: match them on the decoded text and cancel. Errors: KVS_ERR_ARG (not
+ * the head, bad fields), KVS_ERR_RANGE (prompt does not fit n_ctx),
+ * KVS_ERR_FULL (1024 requests already queued). */
+kvs_err kvs_stage_submit(struct kvs_stage *s, const struct kvs_stage_request *r, uint32_t *req);
+/* Cancels a request: it ends with ERROR KVS_ERR_CANCELLED (if it has not
+ * ended already) and its slots are freed on every stage. Unknown ids are
+ * ignored. Errors: KVS_ERR_FULL (too many cancels pending). */
+kvs_err kvs_stage_cancel(struct kvs_stage *s, uint32_t req);
+
+/* True when both links are up and a ring probe returned within the timeout
+ * (head); for other stages, when both links are up. */
+bool kvs_stage_ring_ready(struct kvs_stage *s);
+/* Blocks until ring_ready or timeout_ms passes (KVS_ERR_TIMEOUT). */
+kvs_err kvs_stage_wait_ready(struct kvs_stage *s, int timeout_ms);
+
+struct kvs_stage_metrics {
+    bool ring_ready;
+    bool in_up, out_up;         /* predecessor / successor links */
+    int32_t n_active;           /* sequences holding a slot here */
+    int32_t n_queued;           /* head: submitted, waiting for a slot */
+    uint64_t requests_started;  /* head: requests sent round */
+    uint64_t requests_done;     /* head: ended with DONE */
+    uint64_t requests_failed;   /* head: ended with ERROR (incl. cancelled) */
+    uint64_t tokens_generated;  /* head: TOKEN events; tail: tokens sampled */
+    uint64_t prefill_tokens;    /* tokens run through this window as prompt */
+    uint64_t decode_rows;       /* decode rows run through this window */
+    uint64_t forward_calls;     /* kvs_model_forward calls */
+    double forward_ms;          /* time spent in them */
+    uint64_t bytes_in, bytes_out;
+    uint64_t links_lost;        /* in or out link failures */
+    uint64_t frames_rejected;   /* bad frames / refused handshakes */
+};
+/* Snapshot of the counters (thread-safe). */
+void kvs_stage_metrics(struct kvs_stage *s, struct kvs_stage_metrics *m);
+
+/* --- manifest (docs/MANIFEST.md; reader: kvs_manifest_load in src/plan/plan.h) --- */
+
+struct kvs_manifest;
+/* Fills the model/window/link/threads fields of p from rank `rank` of a
+ * manifest read by kvs_manifest_load (strings borrowed from mf, which must
+ * outlive p's use). Errors: KVS_ERR_NOT_FOUND (no such rank), KVS_ERR_ARG (the
+ * manifest names no local model path). */
+kvs_err kvs_stage_params_from_manifest(const struct kvs_manifest *mf, int32_t rank, struct kvs_stage_params *p);
+
+#endif
