@@ -221,7 +221,9 @@ static int cmd_synth_sparse(int argc, char **argv)
         TENSOR(KVS_TYPE_F32, n_embd, n_expert, 1, 2, "blk.%" PRIu64 ".ffn_gate_inp.weight", b);
         TENSOR(KVS_TYPE_Q4_K, n_embd, n_ff_exp, n_expert, 3, "blk.%" PRIu64 ".ffn_gate_exps.weight", b);
         TENSOR(KVS_TYPE_Q4_K, n_embd, n_ff_exp, n_expert, 3, "blk.%" PRIu64 ".ffn_up_exps.weight", b);
-        TENSOR(KVS_TYPE_Q6_K, n_ff_exp, n_embd, n_expert, 3, "blk.%" PRIu64 ".ffn_down_exps.weight", b);
+        /* Q4_K_M-style mix: down_exps in Q6_K on even blocks, Q5_K on odd. */
+        TENSOR(b % 2 ? KVS_TYPE_Q5_K : KVS_TYPE_Q6_K, n_ff_exp, n_embd, n_expert, 3,
+               "blk.%" PRIu64 ".ffn_down_exps.weight", b);
         TENSOR(KVS_TYPE_Q4_K, n_embd, n_ff_exp, 1, 2, "blk.%" PRIu64 ".ffn_gate_shexp.weight", b);
         TENSOR(KVS_TYPE_Q4_K, n_embd, n_ff_exp, 1, 2, "blk.%" PRIu64 ".ffn_up_shexp.weight", b);
         TENSOR(KVS_TYPE_Q6_K, n_ff_exp, n_embd, 1, 2, "blk.%" PRIu64 ".ffn_down_shexp.weight", b);
