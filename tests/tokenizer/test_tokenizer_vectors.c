@@ -294,11 +294,45 @@ static void test_qwen3_model(void **state)
     kvs_tokenizer_free(t);
 }
 
+/* A Llama 3 chat (format of src/chat, written out by hand) with special
+ * parsing: <|begin_of_text|> 128000, <|eot_id|> 128009 (gguf-facts §5.4),
+ * the header tokens, and ordinary text between them tokenized as it is on
+ * its own. */
+static void test_llama3_chat(void **state)
+{
+    (void)state;
+    struct kvs_tokenizer *t = load_tok("tokenizer-tests/vocab-llama3.gguf");
+    assert_int_equal(kvs_tokenizer_bos(t), 128000);
+    assert_true(kvs_tokenizer_add_bos(t));
+    const char *chat = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+                       "<|start_header_id|>assistant<|end_header_id|>\n\n";
+    int32_t ids[64], hdr[2], user[8], nl[8], hi[8], asst[8];
+    int64_t n = kvs_tokenize(t, chat, strlen(chat), false, true, ids, 64);
+    assert_int_equal(kvs_tokenize(t, "<|start_header_id|><|end_header_id|>", 36, false, true, hdr, 2), 2);
+    int64_t nu = kvs_tokenize(t, "user", 4, false, false, user, 8);
+    int64_t nn = kvs_tokenize(t, "\n\n", 2, false, false, nl, 8);
+    int64_t nh = kvs_tokenize(t, "Hi", 2, false, false, hi, 8);
+    int64_t na = kvs_tokenize(t, "assistant", 9, false, false, asst, 8);
+    assert_true(nu == 1 && nn == 1 && nh == 1 && na == 1);
+    const int32_t want[] = { 128000, hdr[0], user[0], hdr[1], nl[0], hi[0], 128009, hdr[0], asst[0], hdr[1], nl[0] };
+    assert_int_equal(n, 11);
+    assert_memory_equal(ids, want, sizeof want);
+    assert_true(kvs_tokenizer_is_eog(t, 128009));
+    assert_true(kvs_tokenizer_is_eog(t, kvs_tokenizer_eos(t)));
+    assert_false(kvs_tokenizer_is_eog(t, 128000));
+    /* With special=true the control token's text comes back. */
+    char buf[32];
+    assert_int_equal(kvs_token_to_piece(t, 128009, true, buf, sizeof buf), 10);
+    assert_memory_equal(buf, "<|eot_id|>", 10);
+    kvs_tokenizer_free(t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_llama_spm), cmocka_unit_test(test_llama3),   cmocka_unit_test(test_qwen3),
         cmocka_unit_test(test_gpt2),      cmocka_unit_test(test_aidreams), cmocka_unit_test(test_qwen3_model),
+        cmocka_unit_test(test_llama3_chat),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
