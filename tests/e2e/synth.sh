@@ -87,8 +87,16 @@ echo "synth: header $hdr bytes, data $data bytes, expected $expect, file $size"
 
 # ---- reads back ---------------------------------------------------------------
 "$KVASIR_BIN" gguf info "$tmp/a.gguf" > "$tmp/info.txt"
-grep -q qwen3 "$tmp/info.txt" || { echo "FAIL: gguf info does not name the architecture"; cat "$tmp/info.txt"; exit 1; }
-grep -q blk.1.ffn_down.weight "$tmp/info.txt" || { echo "FAIL: gguf info lacks a tensor"; exit 1; }
+need() { # need FILE PATTERN: a line of `gguf info` output
+    grep -qF -- "$2" "$1" || { echo "FAIL: '$2' not in gguf info:"; cat "$1"; exit 1; }; }
+need "$tmp/info.txt" 'architecture: "qwen3"'
+need "$tmp/info.txt" "data offset: $(pad32 $hdr)"
+need "$tmp/info.txt" "tensors: 25,"
+need "$tmp/info.txt" "vocabulary: 300 tokens"
+need "$tmp/info.txt" "qwen3.attention.head_count_kv = 2 (UINT32)"
+need "$tmp/info.txt" "qwen3.attention.layer_norm_rms_epsilon = 9.99999997e-07 (FLOAT32)"
+# tensor names are in the header as plain strings
+grep -aqF blk.1.attn_k_norm.weight "$tmp/a.gguf" || { echo "FAIL: no blk.1.attn_k_norm.weight"; exit 1; }
 
 # ---- the other architectures and types write and read back ------------------
 "$KVASIR_BIN" gguf synth --arch llama --n-embd 64 --n-block 1 --n-vocab 300 --type q4_0 --seed 1 --tied \
@@ -98,9 +106,19 @@ grep -q blk.1.ffn_down.weight "$tmp/info.txt" || { echo "FAIL: gguf info lacks a
 "$KVASIR_BIN" gguf synth --arch qwen3moe --n-embd 64 --n-block 1 --n-head 4 --n-head-kv 2 --head-dim 32 \
     --n-expert 4 --n-expert-used 2 --n-ff-exp 32 --n-vocab 300 --type f32 --seed 1 -o "$tmp/m.gguf"
 for f in l q2 m; do "$KVASIR_BIN" gguf info "$tmp/$f.gguf" > "$tmp/$f.txt"; done
-grep -q attn_q.bias "$tmp/q2.txt" || { echo "FAIL: qwen2 lacks biases"; exit 1; }
-grep -q ffn_gate_exps "$tmp/m.txt" || { echo "FAIL: qwen3moe lacks experts"; exit 1; }
-if grep -qw 'output\.weight' "$tmp/l.txt"; then echo "FAIL: tied model has output.weight"; exit 1; fi
+# llama, tied, 1 block: token_embd, attn_norm, q, k, v, output, ffn_norm, gate, up, down, output_norm
+need "$tmp/l.txt" "tensors: 11,"
+need "$tmp/l.txt" "Q4_0"
+# qwen2: + 3 biases + output.weight
+need "$tmp/q2.txt" "tensors: 15,"
+need "$tmp/q2.txt" "F16"
+grep -aqF blk.0.attn_v.bias "$tmp/q2.gguf" || { echo "FAIL: qwen2 lacks biases"; exit 1; }
+# qwen3moe: q/k norms, router + 3 expert tensors instead of gate/up/down
+need "$tmp/m.txt" "tensors: 15,"
+need "$tmp/m.txt" "qwen3moe.expert_count = 4 (UINT32)"
+need "$tmp/m.txt" "qwen3moe.expert_used_count = 2 (UINT32)"
+need "$tmp/m.txt" "qwen3moe.expert_feed_forward_length = 32 (UINT32)"
+grep -aqF blk.0.ffn_down_exps.weight "$tmp/m.gguf" || { echo "FAIL: qwen3moe lacks experts"; exit 1; }
 
 # ---- bad input is a usage error, not a crash ----------------------------------
 set +e
