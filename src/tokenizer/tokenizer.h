@@ -24,7 +24,7 @@ struct kvs_tokenizer; /* opaque, immutable after creation: thread-safe to share 
  * missing pre means gpt-2, with a warning). Defaults when keys are absent
  * (gguf-facts §5.1): SPM bos 1, eos 2, unk 0, add_bos true, add_space_prefix
  * true; BPE bos/eos none (-1), add_bos true only for the llama3 family.
- * Ids >= n_vocab (e.g. 0xFFFFFFFF) are ignored with a warning. Limits:
+ * Ids >= n_vocab (e.g. 0xFFFFFFFF) are ignored: the default stays. Limits:
  * 2^24 tokens and merges, 64 KiB per token text. errbuf (may be NULL) gets
  * a message. Errors: KVS_ERR_NOT_FOUND (no vocabulary), KVS_ERR_UNSUPPORTED
  * (unknown model or pre-tokenizer), KVS_ERR_FORMAT (wrong key types or

@@ -326,12 +326,89 @@ static void test_invalid_input(void **state)
     kvs_tokenizer_free(t);
 }
 
+/* ---- kvs_tokenizer_load on small GGUF headers made with the writer ---- */
+
+static const char *const k_gg_tokens[] = { "<unk>", "<s>", "</s>", "\xE2\x96\x81", "a", "\xE2\x96\x81" "a" };
+
+/* Writes a vocab-only GGUF header to memory and loads a tokenizer from it.
+ * model/pre may be NULL (key omitted); n_scores < 0 omits the scores. */
+static kvs_err load_gguf(const char *model, const char *pre, int n_scores, int add_space_prefix,
+                         struct kvs_tokenizer **out)
+{
+    struct kvs_gguf_writer *w = kvs_gguf_writer_create();
+    assert_non_null(w);
+    if (model)
+        assert_int_equal(kvs_gguf_writer_set_str(w, "tokenizer.ggml.model", model), KVS_OK);
+    if (pre)
+        assert_int_equal(kvs_gguf_writer_set_str(w, "tokenizer.ggml.pre", pre), KVS_OK);
+    assert_int_equal(kvs_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", k_gg_tokens, 6), KVS_OK);
+    const float scores[6] = { 0, 0, 0, -1, -2, -0.5f };
+    if (n_scores >= 0)
+        assert_int_equal(kvs_gguf_writer_set_arr(w, "tokenizer.ggml.scores", KVS_GGUF_TYPE_FLOAT32, scores,
+                                                 (uint64_t)n_scores),
+                         KVS_OK);
+    const int32_t types[6] = { 2, 3, 3, 1, 1, 1 };
+    assert_int_equal(kvs_gguf_writer_set_arr(w, "tokenizer.ggml.token_type", KVS_GGUF_TYPE_INT32, types, 6), KVS_OK);
+    if (model && !strcmp(model, "gpt2")) {
+        const char *const merges[] = { "a a" };
+        assert_int_equal(kvs_gguf_writer_set_arr_str(w, "tokenizer.ggml.merges", merges, 1), KVS_OK);
+    }
+    if (add_space_prefix >= 0)
+        assert_int_equal(kvs_gguf_writer_set_bool(w, "tokenizer.ggml.add_space_prefix", add_space_prefix != 0),
+                         KVS_OK);
+    assert_int_equal(kvs_gguf_writer_set_u32(w, "tokenizer.ggml.eos_token_id", 0xFFFFFFFFu), KVS_OK);
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    assert_int_equal(kvs_gguf_writer_header(w, &buf, &len), KVS_OK);
+    kvs_gguf_writer_free(w);
+    struct kvs_gguf *g = NULL;
+    char err[256] = "";
+    assert_int_equal(kvs_gguf_parse(buf, len, len, &g, NULL, err, sizeof err), KVS_OK);
+    kvs_err e = kvs_tokenizer_load(g, out, err, sizeof err);
+    if (e != KVS_OK)
+        fprintf(stderr, "# load: %s: %s\n", kvs_strerror(e), err);
+    kvs_gguf_close(g);
+    free(buf);
+    return e;
+}
+
+static void test_load_gguf(void **state)
+{
+    (void)state;
+    struct kvs_tokenizer *t = NULL;
+    assert_int_equal(load_gguf("llama", NULL, 6, -1, &t), KVS_OK);
+    assert_int_equal(kvs_tokenizer_n_vocab(t), 6);
+    assert_int_equal(kvs_tokenizer_eos(t), 2); /* 0xFFFFFFFF is ignored: the SPM default stays */
+    /* "a" -> "▁a" (id 5); "a a" -> "▁a▁a" -> 5 5 */
+    expect(t, "a a", false, false, (const int32_t[]){ 5, 5 }, 2);
+    kvs_tokenizer_free(t);
+    /* add_space_prefix false: "a" stays "a" (id 4) */
+    assert_int_equal(load_gguf("llama", NULL, 6, 0, &t), KVS_OK);
+    expect(t, "a", false, false, (const int32_t[]){ 4 }, 1);
+    kvs_tokenizer_free(t);
+    /* no scores: all 0, still works */
+    assert_int_equal(load_gguf("llama", NULL, -1, -1, &t), KVS_OK);
+    kvs_tokenizer_free(t);
+
+    assert_int_equal(load_gguf("llama", NULL, 5, -1, &t), KVS_ERR_FORMAT); /* 5 scores for 6 tokens */
+    assert_null(t);
+    assert_int_equal(load_gguf("bert", NULL, 6, -1, &t), KVS_ERR_UNSUPPORTED);
+    assert_int_equal(load_gguf("gpt2", "no-such-pre", 6, -1, &t), KVS_ERR_UNSUPPORTED);
+    assert_int_equal(load_gguf(NULL, NULL, 6, -1, &t), KVS_ERR_NOT_FOUND);
+    assert_int_equal(load_gguf("gpt2", "qwen2", 6, -1, &t), KVS_OK);
+    assert_false(kvs_tokenizer_add_bos(t));
+    kvs_tokenizer_free(t);
+    assert_int_equal(load_gguf("gpt2", "llama-bpe", 6, -1, &t), KVS_OK);
+    assert_true(kvs_tokenizer_add_bos(t));
+    kvs_tokenizer_free(t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_spm_merges),    cmocka_unit_test(test_spm_special), cmocka_unit_test(test_spm_detok),
         cmocka_unit_test(test_bpe),           cmocka_unit_test(test_byte_alphabet),
-        cmocka_unit_test(test_utf8_valid),    cmocka_unit_test(test_invalid_input),
+        cmocka_unit_test(test_utf8_valid),    cmocka_unit_test(test_invalid_input), cmocka_unit_test(test_load_gguf),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
