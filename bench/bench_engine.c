@@ -33,6 +33,7 @@
 #include "gguf/gguf.h"
 #include "kernels/kernels.h"
 #include "model/model.h"
+#include "sampler/sampler.h"
 
 extern char **environ;
 
@@ -223,6 +224,23 @@ int main(int argc, char **argv)
         last = t;
     }
 
+    /* Sampler cost per token with the default chain (top-k 40, temp 0.8,
+     * top-p 0.95, min-p 0.05) over the last logits row. */
+    double sampler_us = -1.0;
+    struct kvs_sampler_params sp = kvs_sampler_default_params();
+    struct kvs_sampler *smp = NULL;
+    if (kvs_sampler_create(&sp, n_vocab, &smp) == KVS_OK) {
+        const int n_samp = 200;
+        int64_t acc = 0;
+        double t0 = kvs_bench_now();
+        for (int i = 0; i < n_samp; i++)
+            acc += kvs_sampler_sample(smp, logits);
+        sampler_us = (kvs_bench_now() - t0) / n_samp * 1e6;
+        if (acc < 0)
+            printf("impossible\n");
+        kvs_sampler_free(smp);
+    }
+
     double read_gbps = kvs_bench_read_gbps(READ_BUF_BYTES, n_threads, 3);
     double decode_tps = N_DECODE / best_decode;
     double prefill_tps = N_PREFILL / best_prefill;
@@ -237,6 +255,7 @@ int main(int argc, char **argv)
     printf("weights: %.1f MB read per decode token -> %.2f GB/s achieved\n", (double)wbytes * 1e-6, weight_gbps);
     printf("machine: %.2f GB/s read bandwidth (%d threads summing %zu MiB, best of 3); decode reaches %.0f%% of it\n",
            read_gbps, n_threads, READ_BUF_BYTES >> 20, read_gbps > 0 ? 100.0 * weight_gbps / read_gbps : 0.0);
+    printf("sampler: %.1f us/token (default chain over %d logits)\n", sampler_us, n_vocab);
     printf("RESULT decode_tps=%.2f prefill_tps=%.2f weight_gbps=%.2f read_gbps=%.2f\n", decode_tps, prefill_tps,
            weight_gbps, read_gbps);
 
