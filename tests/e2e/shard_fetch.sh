@@ -55,6 +55,16 @@ for spec in "llama-q4_k_m.gguf 0:1" "llama-q4_k_m.gguf 1:2" "llama-q4_k_m.gguf 2
     (( after - before <= LAST_WINDOW + LAST_WINDOW / 100 + $(field header_bytes "$LAST_FETCH") )) || fail "too many bytes"
 done
 
+# the fetched full-window shard (aidreams260K 0:4, the last one above) runs like the source
+if "$K" run --help >/dev/null 2>&1; then
+    a=$("$K" run -m "$M/aidreams260K.gguf" -p "Once upon a time" --temp 0 -n 24 --threads 1 2>/dev/null)
+    b=$("$K" run -m "$T/got.gguf" -p "Once upon a time" --temp 0 -n 24 --threads 1 2>/dev/null)
+    [[ -n $a && $a == "$b" ]] || fail "shard generates '$b', source '$a'"
+    echo "ok: kvasir run on the fetched shard: '$b'"
+else
+    echo "note: kvasir run not built; skipped the load check"
+fi
+
 # index: hash verified; a corrupted entry -> hash error, no output file
 "$K" shard index "$M/llama-q2_k.gguf" -o "$T/q2.kvindex.json"
 check_fetch "$BASE/llama-q2_k.gguf" 1:3 llama-q2_k.gguf --index "$T/q2.kvindex.json"
