@@ -328,7 +328,7 @@ static void test_invalid_input(void **state)
 
 /* ---- kvs_tokenizer_load on small GGUF headers made with the writer ---- */
 
-static const char *const k_gg_tokens[] = { "<unk>", "<s>", "</s>", "\xE2\x96\x81", "a", "\xE2\x96\x81" "a" };
+static const char *const k_gg_tokens[] = { "<unk>", "<s>", "</s>", "\xE2\x96\x81", "a", "\xE2\x96\x81\x61" };
 
 /* Writes a vocab-only GGUF header to memory and loads a tokenizer from it.
  * model/pre may be NULL (key omitted); n_scores < 0 omits the scores. */
