@@ -1,0 +1,58 @@
+/* Private helpers shared by the API's files: a growable byte buffer and the
+ * metrics registry rendered at /metrics. */
+#ifndef KVS_API_IMPL_H
+#define KVS_API_IMPL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "stage/stage.h"
+
+/* Growable byte buffer with a hard cap (appends past it fail). */
+struct kvs_api_buf {
+    char *p;
+    size_t len, cap, limit;
+};
+bool kvs_api_buf_add(struct kvs_api_buf *b, const char *s, size_t n);
+bool kvs_api_buf_printf(struct kvs_api_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void kvs_api_buf_free(struct kvs_api_buf *b);
+
+#define KVS_API_HIST_MAX 16
+struct kvs_api_hist {
+    const double *bounds; /* upper bounds (seconds), ascending */
+    int n;                /* number of bounds (<= KVS_API_HIST_MAX) */
+    uint64_t counts[KVS_API_HIST_MAX + 1]; /* per bucket, not cumulative; last = +Inf */
+    double sum;
+    uint64_t count;
+};
+
+enum kvs_api_status {
+    KVS_API_STATUS_OK = 0,    /* finished: stop or length */
+    KVS_API_STATUS_CANCELLED, /* the client went away */
+    KVS_API_STATUS_ERROR,     /* ring or server error */
+    KVS_API_STATUS_INVALID,   /* rejected: 4xx */
+    KVS_API_STATUS_UNAVAILABLE, /* 503: ring not ready / queue full */
+    KVS_API_STATUS_COUNT_
+};
+
+struct kvs_api_metrics {
+    pthread_mutex_t mu;
+    uint64_t requests[KVS_API_STATUS_COUNT_];
+    uint64_t tokens_generated;  /* tokens returned to clients */
+    uint64_t prompt_tokens;
+    int64_t in_flight;          /* HTTP requests being generated */
+    struct kvs_api_hist request_seconds;
+    struct kvs_api_hist token_roundtrip;
+};
+
+void kvs_api_metrics_init(struct kvs_api_metrics *m);
+void kvs_api_metrics_destroy(struct kvs_api_metrics *m);
+void kvs_api_hist_add(struct kvs_api_hist *h, double v);
+/* Appends the Prometheus text exposition (format 0.0.4) of m and of the
+ * stage counters st to b. stage_index labels the per-stage series. */
+bool kvs_api_metrics_render(struct kvs_api_metrics *m, const struct kvs_stage_metrics *st, int32_t stage_index,
+                            struct kvs_api_buf *b);
+
+#endif

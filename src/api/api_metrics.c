@@ -1,0 +1,160 @@
+/* /metrics: counters and histograms in the Prometheus text exposition format
+ * 0.0.4 (prometheus.io/docs/instrumenting/exposition_formats): histograms as
+ * cumulative _bucket{le=...} series ending with le="+Inf", then _sum and
+ * _count. */
+#include "api/api_impl.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+bool kvs_api_buf_add(struct kvs_api_buf *b, const char *s, size_t n)
+{
+    if (n > b->limit - b->len || b->len + n + 1 < b->len) return false;
+    if (b->len + n + 1 > b->cap) {
+        size_t nc = b->cap ? b->cap : 256;
+        while (nc < b->len + n + 1) nc *= 2;
+        char *p = realloc(b->p, nc);
+        if (!p) return false;
+        b->p = p;
+        b->cap = nc;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
+    return true;
+}
+
+bool kvs_api_buf_printf(struct kvs_api_buf *b, const char *fmt, ...)
+{
+    char tmp[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= sizeof tmp) return false;
+    return kvs_api_buf_add(b, tmp, (size_t)n);
+}
+
+void kvs_api_buf_free(struct kvs_api_buf *b)
+{
+    free(b->p);
+    b->p = NULL;
+    b->len = b->cap = 0;
+}
+
+static const double request_bounds[] = { 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120 };
+static const double token_bounds[] = { 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5 };
+
+void kvs_api_metrics_init(struct kvs_api_metrics *m)
+{
+    memset(m, 0, sizeof *m);
+    pthread_mutex_init(&m->mu, NULL);
+    m->request_seconds.bounds = request_bounds;
+    m->request_seconds.n = (int)(sizeof request_bounds / sizeof request_bounds[0]);
+    m->token_roundtrip.bounds = token_bounds;
+    m->token_roundtrip.n = (int)(sizeof token_bounds / sizeof token_bounds[0]);
+}
+
+void kvs_api_metrics_destroy(struct kvs_api_metrics *m)
+{
+    pthread_mutex_destroy(&m->mu);
+}
+
+void kvs_api_hist_add(struct kvs_api_hist *h, double v)
+{
+    int i = 0;
+    while (i < h->n && v > h->bounds[i]) i++;
+    h->counts[i]++;
+    h->sum += v;
+    h->count++;
+}
+
+static bool hist_render(const struct kvs_api_hist *h, const char *name, const char *help, struct kvs_api_buf *b)
+{
+    bool ok = kvs_api_buf_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (int i = 0; i < h->n; i++) {
+        cum += h->counts[i];
+        ok = ok && kvs_api_buf_printf(b, "%s_bucket{le=\"%g\"} %llu\n", name, h->bounds[i], (unsigned long long)cum);
+    }
+    cum += h->counts[h->n];
+    ok = ok && kvs_api_buf_printf(b, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.9g\n%s_count %llu\n", name,
+                                  (unsigned long long)cum, name, h->sum, name, (unsigned long long)h->count);
+    return ok;
+}
+
+static const char *const status_names[KVS_API_STATUS_COUNT_] = { "ok", "cancelled", "error", "invalid",
+                                                                 "unavailable" };
+
+bool kvs_api_metrics_render(struct kvs_api_metrics *m, const struct kvs_stage_metrics *st, int32_t stage_index,
+                            struct kvs_api_buf *b)
+{
+    pthread_mutex_lock(&m->mu);
+    bool ok = kvs_api_buf_printf(b, "# HELP kvasir_requests_total HTTP generation requests by outcome.\n"
+                                    "# TYPE kvasir_requests_total counter\n");
+    for (int i = 0; i < KVS_API_STATUS_COUNT_; i++)
+        ok = ok && kvs_api_buf_printf(b, "kvasir_requests_total{status=\"%s\"} %llu\n", status_names[i],
+                                      (unsigned long long)m->requests[i]);
+    ok = ok && kvs_api_buf_printf(b,
+                                  "# HELP kvasir_tokens_generated_total Completion tokens returned to clients.\n"
+                                  "# TYPE kvasir_tokens_generated_total counter\n"
+                                  "kvasir_tokens_generated_total %llu\n"
+                                  "# HELP kvasir_prompt_tokens_total Prompt tokens of admitted requests.\n"
+                                  "# TYPE kvasir_prompt_tokens_total counter\n"
+                                  "kvasir_prompt_tokens_total %llu\n"
+                                  "# HELP kvasir_http_requests_in_flight Generation requests being served.\n"
+                                  "# TYPE kvasir_http_requests_in_flight gauge\n"
+                                  "kvasir_http_requests_in_flight %lld\n",
+                                  (unsigned long long)m->tokens_generated, (unsigned long long)m->prompt_tokens,
+                                  (long long)m->in_flight);
+    ok = ok && hist_render(&m->request_seconds, "kvasir_request_seconds",
+                           "Time from admission to the last byte of a generation request.", b);
+    ok = ok && hist_render(&m->token_roundtrip, "kvasir_token_roundtrip_seconds",
+                           "Time between consecutive tokens of one request: one trip around the ring.", b);
+    pthread_mutex_unlock(&m->mu);
+
+    ok = ok && kvs_api_buf_printf(b,
+                                  "# HELP kvasir_active_sequences Sequences holding a slot on this stage.\n"
+                                  "# TYPE kvasir_active_sequences gauge\n"
+                                  "kvasir_active_sequences %d\n"
+                                  "# HELP kvasir_queued_requests Requests waiting for a slot on the head.\n"
+                                  "# TYPE kvasir_queued_requests gauge\n"
+                                  "kvasir_queued_requests %d\n"
+                                  "# HELP kvasir_ring_ready 1 when the ring is whole.\n"
+                                  "# TYPE kvasir_ring_ready gauge\n"
+                                  "kvasir_ring_ready %d\n",
+                                  (int)st->n_active, (int)st->n_queued, st->ring_ready ? 1 : 0);
+    ok = ok && kvs_api_buf_printf(b,
+                                  "# HELP kvasir_forward_seconds_total Compute time of forward calls on a stage.\n"
+                                  "# TYPE kvasir_forward_seconds_total counter\n"
+                                  "kvasir_forward_seconds_total{stage=\"%d\"} %.6f\n"
+                                  "# HELP kvasir_forward_calls_total Forward calls on a stage.\n"
+                                  "# TYPE kvasir_forward_calls_total counter\n"
+                                  "kvasir_forward_calls_total{stage=\"%d\"} %llu\n",
+                                  (int)stage_index, st->forward_ms / 1000.0, (int)stage_index,
+                                  (unsigned long long)st->forward_calls);
+    ok = ok && kvs_api_buf_printf(b,
+                                  "# HELP kvasir_stage_requests_total Requests ended on the head stage, by outcome.\n"
+                                  "# TYPE kvasir_stage_requests_total counter\n"
+                                  "kvasir_stage_requests_total{status=\"started\"} %llu\n"
+                                  "kvasir_stage_requests_total{status=\"done\"} %llu\n"
+                                  "kvasir_stage_requests_total{status=\"failed\"} %llu\n"
+                                  "# HELP kvasir_stage_tokens_total Tokens reported by the ring to the head.\n"
+                                  "# TYPE kvasir_stage_tokens_total counter\n"
+                                  "kvasir_stage_tokens_total %llu\n",
+                                  (unsigned long long)st->requests_started, (unsigned long long)st->requests_done,
+                                  (unsigned long long)st->requests_failed, (unsigned long long)st->tokens_generated);
+    ok = ok && kvs_api_buf_printf(b,
+                                  "# HELP kvasir_link_bytes_total Bytes over this stage's ring links.\n"
+                                  "# TYPE kvasir_link_bytes_total counter\n"
+                                  "kvasir_link_bytes_total{dir=\"in\"} %llu\n"
+                                  "kvasir_link_bytes_total{dir=\"out\"} %llu\n"
+                                  "# HELP kvasir_links_lost_total Link failures on this stage.\n"
+                                  "# TYPE kvasir_links_lost_total counter\n"
+                                  "kvasir_links_lost_total %llu\n",
+                                  (unsigned long long)st->bytes_in, (unsigned long long)st->bytes_out,
+                                  (unsigned long long)st->links_lost);
+    return ok;
+}
