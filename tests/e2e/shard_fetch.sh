@@ -105,10 +105,11 @@ rm -f "$T"/got.gguf.part*
 # resume: kill a rate-limited fetch part-way, rerun fetches only the rest
 "$K" shard extract -m "$M/llama-f32.gguf" --window 0:4 -o "$T/ext.gguf"
 before=$(served "$MAIN")
-"$K" shard fetch --url "$BASE/llama-f32.gguf" --window 0:4 -o "$T/got.gguf" --limit-rate 12000000 \
+"$K" shard fetch --url "$BASE/llama-f32.gguf" --window 0:4 -o "$T/got.gguf" --limit-rate 8000000 \
     --progress lines 2>"$T/first.log" &
 FP=$!; PIDS+=("$FP")
-sleep 1.5
+# interrupt once the state file records a finished tensor (token_embd, 16 MB, ~2 s in)
+for _ in $(seq 300); do grep -q '"done":{"' "$T/got.gguf.part.state" 2>/dev/null && break; sleep 0.05; done
 kill "$FP" 2>/dev/null || fail "the rate-limited fetch finished before it could be interrupted"
 wait "$FP" 2>/dev/null || true
 [[ ! -e $T/got.gguf && -e $T/got.gguf.part.state ]] || fail "interrupted fetch left no resumable state"
@@ -133,7 +134,8 @@ rm -f "$T"/got.gguf*
 "$K" shard fetch --url "http://127.0.0.1:$SEED_PORT/m.gguf" --window 0:3 -o "$T/got.gguf" --limit-rate 300000 \
     --header-bytes 4096 --progress none 2>"$T/err" &
 FP=$!; PIDS+=("$FP")
-sleep 0.8
+# change the file once the first header bytes went out (the header needs ~2 s more)
+for _ in $(seq 200); do (( $(served "$SEED_PORT") > 0 )) && break; sleep 0.02; done
 touch -d '2001-01-01' "$T/src/m.gguf"
 if wait "$FP"; then fail "fetch survived a changed source"; fi
 grep -q "changed during the fetch" "$T/err" || fail "unclear error: $(cat "$T/err")"
