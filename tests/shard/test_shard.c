@@ -378,6 +378,26 @@ static void test_seed_ranges(void **state)
         assert_int_equal(code, table[i].code);
         assert_int_equal(body, table[i].body);
     }
+    /* HEAD: the length of the (partial) body, no body bytes served */
+    uint64_t served_before = kvs_seed_bytes_served(s);
+    for (int ranged = 0; ranged < 2; ranged++) {
+        char url[128];
+        snprintf(url, sizeof url, "http://127.0.0.1:%u/aidreams260K.gguf", port);
+        CURL *c = curl_easy_init();
+        curl_easy_setopt(c, CURLOPT_URL, url);
+        curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
+        if (ranged)
+            curl_easy_setopt(c, CURLOPT_RANGE, "10-19");
+        assert_int_equal(curl_easy_perform(c), CURLE_OK);
+        long code = 0;
+        curl_off_t len = -1;
+        curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+        curl_easy_getinfo(c, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len);
+        curl_easy_cleanup(c);
+        assert_int_equal(code, ranged ? 206 : 200);
+        assert_int_equal(len, ranged ? 10 : (curl_off_t)size);
+    }
+    assert_int_equal(kvs_seed_bytes_served(s), served_before);
     size_t body = 0;
     assert_int_equal(http_get(port, "/../etc/passwd", NULL, &body), 404);
     assert_int_equal(http_get(port, "/nope.gguf", NULL, &body), 404);
