@@ -21,6 +21,7 @@
 #include "shard/shard_impl.h"
 
 #define SEED_BLOCK (1u << 20) /* bytes handed to MHD per read callback */
+#define SEED_MAX_CONNECTIONS 64 /* one thread each */
 
 struct kvs_seed {
     struct MHD_Daemon *daemon;
@@ -318,7 +319,8 @@ kvs_err kvs_seed_start(const struct kvs_seed_params *p, struct kvs_seed **out, c
     }
     s->daemon = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD, p->port, NULL,
                                  NULL, handler, s, MHD_OPTION_SOCK_ADDR, (const struct sockaddr *)&sa,
-                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)120, MHD_OPTION_END);
+                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)120,
+                                 MHD_OPTION_CONNECTION_LIMIT, (unsigned int)SEED_MAX_CONNECTIONS, MHD_OPTION_END);
     if (!s->daemon) {
         free(s->dir);
         free(s);

@@ -459,6 +459,25 @@ static void test_fetch_loopback(void **state)
     assert_false(file_exists(part));
     remove(out);
 
+    /* the index by URL (a seed over the temp folder serves *.json) */
+    struct kvs_seed *s_ix = NULL;
+    struct kvs_seed_params ip = kvs_seed_default_params();
+    ip.dir = g_tmp;
+    assert_int_equal(kvs_seed_start(&ip, &s_ix, msg, sizeof msg), KVS_OK);
+    char ixurl[256];
+    snprintf(ixurl, sizeof ixurl, "http://127.0.0.1:%u/q.json", kvs_seed_port(s_ix));
+    p.index = ixurl;
+    p.initial_header = 0;
+    assert_int_equal(kvs_shard_fetch(&p, &st, msg, sizeof msg), KVS_OK);
+    assert_true(st.verified);
+    assert_true(file_exists(out));
+    remove(out);
+    snprintf(ixurl, sizeof ixurl, "http://127.0.0.1:%u/none.json", kvs_seed_port(s_ix));
+    assert_int_equal(kvs_shard_fetch(&p, &st, msg, sizeof msg), KVS_ERR_NET);
+    assert_false(file_exists(out));
+    kvs_seed_stop(s_ix);
+    p.index = ixpath;
+
     /* a corrupted index entry: hash error, no output file */
     ix.tensors[kvs_gguf_n_tensors(g) / 2].sha256[0] ^= 1;
     const char *bad_name = ix.tensors[kvs_gguf_n_tensors(g) / 2].name;
