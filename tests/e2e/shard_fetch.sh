@@ -65,6 +65,27 @@ else
     echo "note: kvasir run not built; skipped the load check"
 fi
 
+# a two-stage ring whose stages hold only fetched shards generates like a ring over the full file
+freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+ring() { # HEAD_MODEL TAIL_MODEL -> generated text
+    local p0 p1 tp out
+    p0=$(freeport); p1=$(freeport)
+    "$K" stage -m "$2" --window 1:3 --listen "127.0.0.1:$p1" --next "127.0.0.1:$p0" 2>>"$T/ring.log" & tp=$!
+    PIDS+=("$tp")
+    out=$(timeout 60 "$K" stage -m "$1" --window 0:1 --listen "127.0.0.1:$p0" --next "127.0.0.1:$p1" \
+        -p "Hello world" -n 12 --temp 0 --threads 1 2>>"$T/ring.log") || true
+    kill "$tp" 2>/dev/null || true; wait "$tp" 2>/dev/null || true
+    printf '%s' "$out"
+}
+if "$K" stage --help >/dev/null 2>&1 && command -v python3 >/dev/null; then
+    "$K" shard fetch --url "$BASE/llama-q4_k_m.gguf" --window 0:1 -o "$T/h.gguf" --progress none >/dev/null
+    "$K" shard fetch --url "$BASE/llama-q4_k_m.gguf" --window 1:3 -o "$T/t.gguf" --progress none >/dev/null
+    a=$(ring "$M/llama-q4_k_m.gguf" "$M/llama-q4_k_m.gguf")
+    b=$(ring "$T/h.gguf" "$T/t.gguf")
+    [[ -n $a && $a == "$b" ]] || fail "ring over shards generated '$b', over the full file '$a' (log: $(tail -5 "$T/ring.log"))"
+    echo "ok: ring over fetched shards [0,1) + [1,3) == ring over the full file: '$b'"
+fi
+
 # index: hash verified; a corrupted entry -> hash error, no output file
 "$K" shard index "$M/llama-q2_k.gguf" -o "$T/q2.kvindex.json"
 check_fetch "$BASE/llama-q2_k.gguf" 1:3 llama-q2_k.gguf --index "$T/q2.kvindex.json"
