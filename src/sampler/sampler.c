@@ -2,6 +2,7 @@
 #include "sampler/sampler.h"
 
 #include <float.h>
+#include <stdbool.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -190,43 +191,86 @@ static void heap_sift_down(struct cand *h, int32_t k, int32_t i)
     }
 }
 
-/* Moves the k best-ranked of c[0..n) into c[0..k), sorted. O(n log k) worst
- * case, ~n comparisons typical: most candidates lose against the root. */
-static void top_k_select(struct cand *c, int32_t n, int32_t k)
+/* Flags the distinct recent tokens in mark[] (cleared by marks_clear). */
+static void marks_set(struct kvs_sampler *s)
 {
+    for (int32_t j = 0; j < s->n_recent; j++)
+        s->mark[s->recent[j]] = 1;
+}
+
+static void marks_clear(struct kvs_sampler *s)
+{
+    for (int32_t j = 0; j < s->n_recent; j++)
+        s->mark[s->recent[j]] = 0;
+}
+
+/* Logit i after sanitizing and the repetition penalty (once per distinct
+ * recent token: mark[i] is a flag, not a count). */
+static inline float value_at(const struct kvs_sampler *s, const float *logits, int32_t i)
+{
+    float v = sanitize(logits[i]);
+    if (s->mark[i]) {
+        float pen = s->p.repeat_penalty;
+        v = sanitize(v > 0.0f ? v / pen : v * pen);
+    }
+    return v;
+}
+
+/* Greedy: the best-ranked id (lowest id on ties) into cand[0], one pass.
+ * A penalty >= 1 never raises a logit, so the raw value exceeding the best
+ * is a necessary condition and the penalty is only looked up then. */
+static void select_argmax(struct kvs_sampler *s, const float *logits)
+{
+    float best = value_at(s, logits, 0);
+    int32_t bi = 0;
+    const bool lowers = s->p.repeat_penalty >= 1.0f;
+    for (int32_t i = 1; i < s->n_vocab; i++) {
+        if (lowers && !(logits[i] > best))
+            continue; /* NaN fails the test too */
+        float v = value_at(s, logits, i);
+        if (v > best) {
+            best = v;
+            bi = i;
+        }
+    }
+    s->cand[0].l = best;
+    s->cand[0].id = bi;
+}
+
+/* The k best-ranked ids into cand[0..k), sorted, in one pass over logits
+ * with a k-heap: O(n log k) worst case, ~n comparisons typical (most logits
+ * lose against the root). Ids arrive in increasing order, so an equal logit
+ * never displaces the root (the lower id wins ties). */
+static void select_top_k(struct kvs_sampler *s, const float *logits, int32_t k)
+{
+    struct cand *c = s->cand;
+    for (int32_t i = 0; i < k; i++) {
+        c[i].l = value_at(s, logits, i);
+        c[i].id = i;
+    }
     for (int32_t i = k / 2 - 1; i >= 0; i--)
         heap_sift_down(c, k, i);
-    for (int32_t i = k; i < n; i++)
-        if (cand_before(&c[i], &c[0])) {
-            c[0] = c[i];
+    const bool lowers = s->p.repeat_penalty >= 1.0f; /* as in select_argmax */
+    for (int32_t i = k; i < s->n_vocab; i++) {
+        if (lowers && !(logits[i] > c[0].l))
+            continue;
+        float v = value_at(s, logits, i);
+        if (v > c[0].l) {
+            c[0].l = v;
+            c[0].id = i;
             heap_sift_down(c, k, 0);
         }
+    }
     qsort(c, (size_t)k, sizeof *c, cand_cmp);
 }
 
-/* Copies logits into cand[] (index == id) and applies the repetition
- * penalty once per distinct recent token. */
-static void load_logits(struct kvs_sampler *s, const float *logits)
+/* Every id into cand[] (index == id). */
+static void select_all(struct kvs_sampler *s, const float *logits)
 {
-    struct cand *c = s->cand;
     for (int32_t i = 0; i < s->n_vocab; i++) {
-        c[i].l = sanitize(logits[i]);
-        c[i].id = i;
+        s->cand[i].l = value_at(s, logits, i);
+        s->cand[i].id = i;
     }
-    if (s->n_recent == 0)
-        return;
-    float pen = s->p.repeat_penalty;
-    for (int32_t j = 0; j < s->n_recent; j++) {
-        int32_t id = s->recent[j];
-        if (s->mark[id])
-            continue;
-        s->mark[id] = 1;
-        float v = c[id].l;
-        v = v > 0.0f ? v / pen : v * pen;
-        c[id].l = sanitize(v);
-    }
-    for (int32_t j = 0; j < s->n_recent; j++)
-        s->mark[s->recent[j]] = 0;
 }
 
 /* Index of the best-ranked of c[0..n) (lowest id on ties when c is in id order). */
@@ -247,20 +291,23 @@ static int32_t build(struct kvs_sampler *s, const float *logits, int need_sorted
     struct cand *c = s->cand;
     float *pr = s->prob;
     const struct kvs_sampler_params *p = &s->p;
-    load_logits(s, logits);
-
     int32_t n = s->n_vocab;
+    int sorted = 0;
+    marks_set(s);
     if (p->temp <= 0.0f) {
-        c[0] = c[argmax(c, n)];
+        select_argmax(s, logits);
+        marks_clear(s);
         pr[0] = 1.0f;
         return 1;
     }
-    int sorted = 0;
     if (p->top_k > 0 && p->top_k < n) {
-        top_k_select(c, n, p->top_k);
+        select_top_k(s, logits, p->top_k);
         n = p->top_k;
         sorted = 1;
+    } else {
+        select_all(s, logits);
     }
+    marks_clear(s);
     float m = sorted ? c[0].l : c[argmax(c, n)].l;
     if (m == -INFINITY) { /* nothing is possible: fall back to the argmax */
         c[0] = c[sorted ? 0 : argmax(c, n)];
