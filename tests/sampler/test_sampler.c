@@ -388,6 +388,37 @@ static void test_penalty(void **st)
     /* {1.5, 2, 1, 0} */
     assert_int_equal(kvs_sampler_sample(s, l2), 1);
     kvs_sampler_free(s);
+
+    /* a penalty < 1 boosts: {1, 2, -1} with 0.5 on id 0 -> {2, 2, -1}, a
+     * tie won by the lower id (greedy and top-k 1); on id 2 -> -0.5 */
+    float l3[3] = { 1.0f, 2.0f, -1.0f };
+    p = plain();
+    p.temp = 0.0f;
+    p.repeat_penalty = 0.5f;
+    p.repeat_last_n = 4;
+    s = make(&p, 3);
+    assert_int_equal(kvs_sampler_sample(s, l3), 1);
+    kvs_sampler_accept(s, 0);
+    assert_int_equal(kvs_sampler_sample(s, l3), 0);
+    kvs_sampler_free(s);
+    p.temp = 1.0f;
+    p.top_k = 2;
+    s = make(&p, 3);
+    kvs_sampler_accept(s, 0);
+    kvs_sampler_accept(s, 2);
+    assert_int_equal(kvs_sampler_dist(s, l3, &ids, &pr), 2);
+    assert_int_equal(ids[0], 0);
+    assert_int_equal(ids[1], 1);
+    assert_float_equal(pr[0], 0.5, 1e-6);
+    p.top_k = 0;
+    kvs_sampler_free(s);
+    s = make(&p, 3);
+    kvs_sampler_accept(s, 2);
+    /* {1, 2, -0.5} */
+    assert_int_equal(kvs_sampler_dist(s, l3, &ids, &pr), 3);
+    assert_int_equal(ids[2], 2);
+    assert_float_equal(pr[2], exp(-0.5) / (exp(1.0) + exp(2.0) + exp(-0.5)), 1e-6);
+    kvs_sampler_free(s);
 }
 
 static void draws(struct kvs_sampler *s, const float *l, int32_t *out, int n)
