@@ -724,9 +724,12 @@ static enum MHD_Result handle_metrics(struct kvs_api *a, struct MHD_Connection *
 
 /* --- MHD glue ------------------------------------------------------------------------ */
 
+#define DRAIN_FACTOR 16 /* bodies up to 16 x max_body are drained before the 413 */
+
 struct conn_ctx {
     char *body;
     size_t len, cap;
+    size_t dropped;
     bool too_big;
 };
 
@@ -769,13 +772,17 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         if (rt == ROUTE_NONE || (post && strcmp(method, "POST")) || (!post && strcmp(method, "GET") && strcmp(method, "HEAD")))
             return MHD_YES; /* answered once the body (if any) is read */
         const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
+        bool huge = false;
         if (cl) {
             char *end;
             errno = 0;
             unsigned long long v = strtoull(cl, &end, 10);
-            if (errno || end == cl || v > a->p.max_body) cc->too_big = true;
+            cc->too_big = errno || end == cl || v > a->p.max_body;
+            huge = cc->too_big && (errno || end == cl || v / DRAIN_FACTOR > a->p.max_body);
         }
-        if (cc->too_big) {
+        /* A body a little over the cap is read and dropped, so that the client
+         * (still writing) gets the 413 instead of a broken pipe. */
+        if (huge) {
             char msg[128];
             snprintf(msg, sizeof msg, "request body exceeds %zu bytes", a->p.max_body);
             count_status(a, KVS_API_STATUS_INVALID);
@@ -784,9 +791,13 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         return MHD_YES;
     }
     if (*upload_size) {
-        if (!cc->too_big) {
+        if (cc->too_big) {
+            cc->dropped += *upload_size;
+            if (cc->dropped / DRAIN_FACTOR > a->p.max_body) return MHD_NO; /* stop reading: close */
+        } else {
             if (*upload_size > a->p.max_body - cc->len) {
                 cc->too_big = true;
+                cc->dropped = cc->len + *upload_size;
             } else {
                 if (cc->len + *upload_size + 1 > cc->cap) {
                     size_t nc = cc->cap ? cc->cap : 4096;
