@@ -460,6 +460,21 @@ static void rope_apply(const struct kvs_model *m, float *x, const float *cs)
     }
 }
 
+/* F32 -> F16 with round-to-nearest-even (gguf-facts §2.2), inline for the
+ * attention loop; results in the F16 normal range are converted here, the
+ * rest (zero, subnormal, overflow, NaN) by the kernels' reference. */
+static inline uint16_t to_f16(float f)
+{
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t exp = (bits >> 23) & 0xffu;
+    if (exp < 113u || exp > 142u) return kvs_f32_to_f16(f);
+    const uint32_t mant = bits & 0x7fffffu, rem = mant & 0x1fffu;
+    uint32_t h = ((exp - 112u) << 10) | (mant >> 13);
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++; /* a carry into the exponent is still RNE */
+    return (uint16_t)(((bits >> 16) & 0x8000u) | h);
+}
+
 static inline float silu(float z) { return z / (1.0f + expf(-z)); }
 
 struct att_ctx {
@@ -496,7 +511,7 @@ static void attention_worker(void *vctx, int ith, int nth)
         const uint16_t *kc = m->kcache + base + (size_t)hk * (size_t)D;
         const uint16_t *vc = m->vcache + base + (size_t)hk * (size_t)D;
         const float *q = m->q + (size_t)t * (size_t)m->q_dim + (size_t)h * (size_t)D;
-        for (int32_t d = 0; d < D; d++) q16[d] = kvs_f32_to_f16(q[d]), acc[d] = 0;
+        for (int32_t d = 0; d < D; d++) q16[d] = to_f16(q[d]), acc[d] = 0;
         float M = -INFINITY, S = 0.0f;
         for (int32_t j = 0; j <= pos; j++) {
             const uint16_t *kr = kc + (size_t)j * (size_t)m->kv_dim;
@@ -509,11 +524,11 @@ static void attention_worker(void *vctx, int ith, int nth)
                 const float m_old = M;
                 M = s;
                 ms = expf(m_old - M);
-                for (int32_t d = 0; d < D; d++) acc[d] = kvs_f32_to_f16(tab[acc[d]] * ms);
+                for (int32_t d = 0; d < D; d++) acc[d] = to_f16(tab[acc[d]] * ms);
             } else {
                 vs = expf(s - M);
             }
-            for (int32_t d = 0; d < D; d++) acc[d] = kvs_f32_to_f16(tab[acc[d]] + tab[vr[d]] * vs);
+            for (int32_t d = 0; d < D; d++) acc[d] = to_f16(tab[acc[d]] + tab[vr[d]] * vs);
             S = S * ms + vs;
         }
         float *o = m->att + (size_t)t * (size_t)m->q_dim + (size_t)h * (size_t)D;
@@ -562,8 +577,8 @@ static void attention_block(struct kvs_model *m, const struct kvs_batch *b, int3
                             (size_t)b->pos[t]) * (size_t)m->kv_dim;
         const float *v = m->kv_v + (size_t)t * (size_t)m->kv_dim;
         for (int32_t i = 0; i < m->kv_dim; i++) {
-            m->kcache[off + (size_t)i] = kvs_f32_to_f16(k[i]);
-            m->vcache[off + (size_t)i] = kvs_f32_to_f16(v[i]);
+            m->kcache[off + (size_t)i] = to_f16(k[i]);
+            m->vcache[off + (size_t)i] = to_f16(v[i]);
         }
     }
     struct att_ctx ac = { m, b, il };
