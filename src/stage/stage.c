@@ -847,6 +847,14 @@ static void out_read(struct kvs_stage *s)
             s->out_warned = false;
             s->out_last_write = kvs_link_now_ms();
             KVS_LOGI("successor [%u,%u) connected at %s", o.block_begin, o.block_end, s->next_addr);
+            if (!s->is_head) {
+                /* Frames sent while this link was down are lost: requests in
+                 * flight cannot finish. Tell every stage and the head (§5). */
+                snprintf(msg, sizeof msg, "stage [%d,%d) re-joined its successor: requests in flight are lost",
+                         (int)s->begin, (int)s->end);
+                drop_all(s, KVS_ERR_PEER, msg);
+                send_error(s, 0, KVS_ERR_PEER, msg);
+            }
             met_update(s);
             continue;
         }
