@@ -431,6 +431,30 @@ static void test_errors(void **st)
     kvs_gguf_close(g);
 }
 
+/* A sequence restarted at pos <= its length forgets the later positions:
+ * the logits equal those of a fresh evaluation of the new tokens. */
+static void test_rewind(void **st)
+{
+    (void)st;
+    struct kvs_gguf *g = open_model("aidreams260K");
+    struct kvs_model *m = load(g, 0, -1, 1, 8);
+    float a[512], b2[512];
+    int32_t tok[4] = { 1, 429, 491, 433 }, alt[4] = { 1, 429, 300, 301 }, seq[4] = { 0 }, pos[4] = { 0, 1, 2, 3 };
+    struct kvs_batch b = { .n_tokens = 4, .token = tok, .seq = seq, .pos = pos };
+    assert_int_equal(kvs_model_forward(m, &b, a), KVS_OK);
+    /* Rewind to pos 2 with other tokens. */
+    struct kvs_batch r = { .n_tokens = 2, .token = alt + 2, .seq = seq, .pos = pos + 2 };
+    assert_int_equal(kvs_model_forward(m, &r, a), KVS_OK);
+    assert_int_equal(kvs_model_seq_len(m, 0), 4);
+    kvs_model_seq_clear(m, 0);
+    assert_int_equal(kvs_model_seq_len(m, 0), 0);
+    struct kvs_batch f = { .n_tokens = 4, .token = alt, .seq = seq, .pos = pos };
+    assert_int_equal(kvs_model_forward(m, &f, b2), KVS_OK);
+    assert_true(max_rel_diff(a, b2, 512) <= 1e-5);
+    kvs_model_free(m);
+    kvs_gguf_close(g);
+}
+
 int main(void)
 {
     /* KVS_TEST_FILTER=pattern runs a subset (cmocka glob). */
@@ -438,6 +462,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_hparams),
         cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_rewind),
         cmocka_unit_test(test_ref_aidreams260K),
         cmocka_unit_test(test_greedy_aidreams),
         cmocka_unit_test(test_batching_aidreams),
