@@ -227,7 +227,7 @@ kvs_err kvs_tcp_accept(struct kvs_listener *s, struct kvs_link **out)
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNABORTED) return KVS_ERR_NEED_MORE;
         return KVS_ERR_NET;
     }
-    char host[NI_MAXHOST] = "?", serv[NI_MAXSERV] = "?", peer[64];
+    char host[48] = "?", serv[8] = "?", peer[64];
     getnameinfo((struct sockaddr *)&ss, sl, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV);
     snprintf(peer, sizeof peer, "%s:%s", host, serv);
     return wrap_fd(fd, peer, out);
