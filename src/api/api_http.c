@@ -576,12 +576,12 @@ static enum MHD_Result handle_generate(struct kvs_api *a, struct MHD_Connection 
     int32_t *ids = NULL, n_ids = 0;
 
     if (kvs_api_parse_request(kind, body, len, &j->rq, &err)) goto reject;
+    if (build_prompt(a, j, &ids, &n_ids, &err)) goto reject;
     if (!kvs_stage_ring_ready(a->head)) {
         kvs_api_error_set(&err, 503, "server_error", NULL, "ring_unavailable",
                           "the ring is not ready: a stage is down or still connecting; retry later");
         goto reject;
     }
-    if (build_prompt(a, j, &ids, &n_ids, &err)) goto reject;
 
     struct kvs_stage_request sr = { 0 };
     sr.prompt = ids;
