@@ -188,4 +188,31 @@ for (const bad of [{ ...req, max_tokens: 0 }, { ...req, temperature: 5 }, { ...r
   assert.equal(text, r.choices[0].message.content, 'greedy stream equals greedy non-stream');
   assert.equal(finish, r.choices[0].finish_reason);
 }
+// the ring breaks mid-stream (the tail stage dies): the stream ends with an
+// error event (the client raises APIError), then /health and requests say 503
+{
+  const child = Number(process.env.KVASIR_TINY_CHILD);
+  assert.ok(child > 0, 'pid of the tail stage');
+  const s = await tiny.completions.create({ ...req, max_tokens: 100, stream: true });
+  let got = 0;
+  let text = '';
+  await assert.rejects((async () => {
+    for await (const ch of s) {
+      text += ch.choices[0].text;
+      if (++got === 3) process.kill(child, 'SIGKILL');
+    }
+  })(), (e) => {
+    assert.ok(e instanceof APIError, `not an APIError: ${e}`);
+    assert.match(e.message, /ring/);
+    return true;
+  });
+  assert.ok(expected.startsWith(text), 'text before the failure is the reference prefix');
+  const h = await fetch(`http://127.0.0.1:${tinyPort}/health`);
+  assert.equal(h.status, 503);
+  await assert.rejects(tiny.completions.create(req), (e) => e instanceof APIError && e.status === 503);
+  const m = await metrics(tinyPort);
+  assert.equal(metric(m, 'kvasir_requests_total{status="error"}'), 1);
+  assert.equal(metric(m, 'kvasir_requests_total{status="unavailable"}'), 1);
+  assert.equal(metric(m, 'kvasir_ring_ready'), 0);
+}
 console.log('api_openai: all checks passed');

@@ -50,8 +50,10 @@ start chat qwen3-q8_0.gguf --ctx 256
 tiny_port=$(port_of tiny)
 chat_port=$(port_of chat)
 
+tiny_child=$(grep -o 'rank 1 (pid [0-9]*)' "$tmp/tiny.log" | grep -o '[0-9]*)' | tr -d ')')
+
 set +e
-NODE_PATH="$npm_dir/node_modules" KVASIR_TINY_PORT=$tiny_port KVASIR_CHAT_PORT=$chat_port \
+KVASIR_TINY_CHILD=$tiny_child NODE_PATH="$npm_dir/node_modules" KVASIR_TINY_PORT=$tiny_port KVASIR_CHAT_PORT=$chat_port \
     timeout 240 node "$KVASIR_SRC/tests/e2e/api_openai.mjs" "$npm_dir/node_modules/openai/index.mjs"
 rc=$?
 set -e
