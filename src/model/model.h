@@ -8,6 +8,9 @@
  *
  * Architectures: llama, qwen2, qwen3, qwen3moe; forward pass as in
  * ../shared/docs/gguf-facts.md §4. KV cache in F16, one slot per sequence.
+ * Attention follows llama.cpp's default CPU path (flash attention: q and K
+ * in F16, online softmax with an F16 V accumulator), which tracks the
+ * reference outputs in ../shared/models best.
  */
 #ifndef KVS_MODEL_H
 #define KVS_MODEL_H
