@@ -285,7 +285,11 @@ static void ring_usage(FILE *f)
                "                       (newlines in TEXT as \\n) or \"#i error MESSAGE\"\n"
                "  --parallel P         prompts in flight at once (default 1)\n"
                "  --seqs S             sequence slots per stage (default max(4, P))\n"
-               "  --boundary f16|f32   boundary precision on the links (default f16)\n");
+               "  --boundary f16|f32   boundary precision on the links (default f16: 2 bytes per value,\n"
+               "                       half the traffic). F16 rounds the hidden state at every hop, so\n"
+               "                       greedy output can differ from a single process where the top\n"
+               "                       logits are close (typical of random-weight test models); f32 is\n"
+               "                       bit-identical to a single process (docs/PROTOCOL.md section 5)\n");
 }
 
 /* A free loopback port (bound then released: another process could take it

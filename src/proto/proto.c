@@ -290,6 +290,31 @@ const uint8_t *kvs_proto_boundary(const struct kvs_frame *f)
     return f->payload;
 }
 
+void kvs_proto_put_trail_rec(uint8_t out[KVS_PROTO_TRAIL_REC_BYTES], const struct kvs_trail_rec *r)
+{
+    kvs_proto_put_u32(out, r->block_begin);
+    kvs_proto_put_u32(out + 4, r->block_end);
+    put_u64(out + 8, r->forward_calls);
+    put_u64(out + 16, r->forward_us);
+    put_u64(out + 24, r->rows);
+    put_u64(out + 32, r->bytes_out);
+    put_u64(out + 40, r->t_recv_us);
+    put_u64(out + 48, r->t_send_us);
+}
+
+void kvs_proto_get_trail_rec(const struct kvs_frame *f, uint32_t i, struct kvs_trail_rec *r)
+{
+    const uint8_t *p = f->payload + (size_t)i * KVS_PROTO_TRAIL_REC_BYTES;
+    r->block_begin = kvs_proto_get_u32(p);
+    r->block_end = kvs_proto_get_u32(p + 4);
+    r->forward_calls = get_u64(p + 8);
+    r->forward_us = get_u64(p + 16);
+    r->rows = get_u64(p + 24);
+    r->bytes_out = get_u64(p + 32);
+    r->t_recv_us = get_u64(p + 40);
+    r->t_send_us = get_u64(p + 48);
+}
+
 const char *kvs_frame_kind_name(uint32_t kind)
 {
     static const char *const names[] = { "?",      "HELLO", "REQUEST_START", "PREFILL", "DECODE",
@@ -317,7 +342,7 @@ kvs_err kvs_proto_check_header(const struct kvs_frame_header *h, uint32_t max_pa
         [KVS_FRAME_END] = 0,
         [KVS_FRAME_CANCEL] = 0,
         [KVS_FRAME_ERROR] = 0,
-        [KVS_FRAME_KEEPALIVE] = KVS_FRAME_FLAG_PROBE,
+        [KVS_FRAME_KEEPALIVE] = KVS_FRAME_FLAG_PROBE | KVS_FRAME_FLAG_TRAIL,
     };
     if (max_payload == 0 || max_payload > KVS_PROTO_MAX_PAYLOAD) max_payload = KVS_PROTO_MAX_PAYLOAD;
     if (h->version != KVS_PROTO_VERSION)
@@ -335,8 +360,17 @@ kvs_err kvs_proto_check_header(const struct kvs_frame_header *h, uint32_t max_pa
     uint32_t n = h->n_tokens, len = h->payload_len;
     uint64_t want = 0;
     switch ((enum kvs_frame_kind)h->kind) {
-    case KVS_FRAME_HELLO:
     case KVS_FRAME_KEEPALIVE:
+        if (h->flags & KVS_FRAME_FLAG_TRAIL) { /* §3.8.1 */
+            if (!(h->flags & KVS_FRAME_FLAG_PROBE)) FAIL(KVS_ERR_FORMAT, "KEEPALIVE with TRAIL but without PROBE");
+            if (n > KVS_PROTO_MAX_TRAIL)
+                FAIL(KVS_ERR_RANGE, "probe trail of %u records exceeds the cap of %u", n, KVS_PROTO_MAX_TRAIL);
+            want = (uint64_t)n * KVS_PROTO_TRAIL_REC_BYTES;
+            break;
+        }
+        if (n != 0) FAIL(KVS_ERR_RANGE, "%s frame with token count %u (must be 0)", kn, n);
+        break;
+    case KVS_FRAME_HELLO:
     case KVS_FRAME_END:
     case KVS_FRAME_CANCEL:
         want = h->kind == KVS_FRAME_HELLO ? KVS_PROTO_HELLO_BYTES : 0;

@@ -26,6 +26,8 @@
 #define KVS_PROTO_HELLO_BYTES 60u          /* HELLO payload (§3.1) */
 #define KVS_PROTO_REQ_FIXED_BYTES 40u      /* REQUEST_START fixed part (§3.2) */
 #define KVS_PROTO_TOKEN_BYTES 8u           /* TOKEN payload (§3.5) */
+#define KVS_PROTO_TRAIL_REC_BYTES 56u      /* one record of a probe trail (§3.8.1, revision 1.1) */
+#define KVS_PROTO_MAX_TRAIL 64u            /* records in a probe trail (n_tokens of a TRAIL probe) */
 
 enum kvs_frame_kind {
     KVS_FRAME_HELLO = 1,
@@ -47,6 +49,7 @@ enum kvs_frame_flag {
     KVS_FRAME_FLAG_PROBE = 1u << 2,      /* KEEPALIVE: ring probe (forwarded around) */
     KVS_FRAME_FLAG_IGNORE_EOS = 1u << 3, /* REQUEST_START: do not stop on stop ids */
     KVS_FRAME_FLAG_FINISHED = 1u << 4,   /* TOKEN: the request is complete */
+    KVS_FRAME_FLAG_TRAIL = 1u << 5,      /* KEEPALIVE with PROBE: carries a trail of stage records (rev 1.1) */
 };
 
 /* Roles in a HELLO (§3.1). */
@@ -113,6 +116,21 @@ struct kvs_token_msg {
     uint32_t finish; /* enum kvs_finish */
 };
 
+/* One record of a probe trail (§3.8.1): what one stage adds to a TRAIL
+ * probe as it passes. Counters are cumulative since the stage started; the
+ * timestamps are the stage's wall clock (CLOCK_REALTIME) in microseconds
+ * since the Unix epoch, so hop latencies between two hosts are only as good
+ * as their clock sync (exact on one host). */
+struct kvs_trail_rec {
+    uint32_t block_begin, block_end; /* the stage's window */
+    uint64_t forward_calls;          /* kvs_model_forward calls */
+    uint64_t forward_us;             /* microseconds spent in them */
+    uint64_t rows;                   /* prefill + decode rows run through the window */
+    uint64_t bytes_out;              /* bytes written on its out link (frames incl. headers) */
+    uint64_t t_recv_us;              /* when the stage read the probe (the head: when it sent it) */
+    uint64_t t_send_us;              /* when it wrote the probe on */
+};
+
 /* --- encoding ------------------------------------------------------------ */
 
 /* Writes the 24-byte header for h into out (h->version is ignored: the
@@ -146,6 +164,11 @@ uint64_t kvs_proto_decode_bytes(uint32_t n_tokens, uint32_t n_embd, bool f32);
 /* F16 <-> F32 (IEEE 754 binary16; f32->f16 rounds to nearest even). */
 uint16_t kvs_proto_f32_to_f16(float f);
 float kvs_proto_f16_to_f32(uint16_t h);
+
+/* Writes one trail record (KVS_PROTO_TRAIL_REC_BYTES bytes). */
+void kvs_proto_put_trail_rec(uint8_t out[KVS_PROTO_TRAIL_REC_BYTES], const struct kvs_trail_rec *r);
+/* Reads record i (< n_tokens) of a TRAIL probe frame. */
+void kvs_proto_get_trail_rec(const struct kvs_frame *f, uint32_t i, struct kvs_trail_rec *r);
 
 /* --- decoding payloads (of a frame the decoder accepted) ------------------- */
 

@@ -88,6 +88,9 @@ struct kvs_stage {
     /* head: ring probes */
     uint32_t probe_no;
     int64_t probe_sent, probe_back;
+    uint64_t fwd_us;              /* loop thread: time in kvs_model_forward, microseconds */
+    bool out_ever_up;             /* the out link was up before (a later HELLO is a re-join) */
+    uint64_t out_dropped;         /* frames dropped while the out link was down */
 
     struct seq *seqs;
     /* work buffers, sized at create */
@@ -111,6 +114,9 @@ struct kvs_stage {
     int n_cancels;
     uint32_t next_req;
     struct kvs_stage_metrics met;
+    struct kvs_stage_hop hops[KVS_PROTO_MAX_TRAIL]; /* head: the last trail that came back */
+    int n_hops;
+    double probe_rtt_ms;
 };
 
 /* --- small helpers ---------------------------------------------------------- */
@@ -211,7 +217,10 @@ static void out_lost(struct kvs_stage *s, const char *why);
  * link is down or failed (the frame is dropped). */
 static bool send_built(struct kvs_stage *s, struct kvs_frame_header *h)
 {
-    if (s->out_state != OUT_UP) return false;
+    if (s->out_state != OUT_UP) {
+        if (h->kind != KVS_FRAME_KEEPALIVE) s->out_dropped++;
+        return false;
+    }
     kvs_proto_put_header(s->sbuf, h);
     size_t n = KVS_PROTO_HEADER_BYTES + h->payload_len;
     kvs_err e = kvs_link_write(s->out, s->sbuf, n, s->p.timeout_ms);
@@ -357,15 +366,31 @@ static void out_lost(struct kvs_stage *s, const char *why)
 
 /* --- forward ------------------------------------------------------------------ */
 
+static uint64_t mono_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+/* Wall clock (trail timestamps, §3.8.1), microseconds since the epoch. */
+static uint64_t wall_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
 static kvs_err forward(struct kvs_stage *s, const struct kvs_batch *b, float *out)
 {
     if (s->p.step_delay_ms > 0) poll(NULL, 0, s->p.step_delay_ms);
-    int64_t t0 = kvs_link_now_ms();
+    uint64_t t0 = mono_us();
     kvs_err e = kvs_model_forward(s->m, b, out);
-    int64_t t1 = kvs_link_now_ms();
+    uint64_t dt = mono_us() - t0;
+    s->fwd_us += dt;
     pthread_mutex_lock(&s->mu);
     s->met.forward_calls++;
-    s->met.forward_ms += (double)(t1 - t0);
+    s->met.forward_ms += (double)dt / 1000.0;
     pthread_mutex_unlock(&s->mu);
     return e;
 }
@@ -623,15 +648,82 @@ static void on_error(struct kvs_stage *s, const struct kvs_frame *f)
     send_built(s, &h);
 }
 
+/* This stage's trail record (§3.8.1), t_send_us left 0. */
+static void trail_rec(struct kvs_stage *s, struct kvs_trail_rec *r, uint64_t t_recv)
+{
+    pthread_mutex_lock(&s->mu);
+    *r = (struct kvs_trail_rec){ .block_begin = (uint32_t)s->begin, .block_end = (uint32_t)s->end,
+                                 .forward_calls = s->met.forward_calls, .forward_us = s->fwd_us,
+                                 .rows = s->met.prefill_tokens + s->met.decode_rows,
+                                 .bytes_out = s->met.bytes_out, .t_recv_us = t_recv };
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Sends a ring probe whose trail is the n records already at sbuf + 24 plus
+ * this stage's own (appended unless the trail is full). */
+static void send_probe(struct kvs_stage *s, uint32_t probe_no, uint32_t n, uint64_t t_recv)
+{
+    uint8_t *p = s->sbuf + KVS_PROTO_HEADER_BYTES;
+    if (n < KVS_PROTO_MAX_TRAIL) {
+        struct kvs_trail_rec r;
+        trail_rec(s, &r, t_recv);
+        /* the record counts the probe itself in bytes_out: every stage alike */
+        r.bytes_out += KVS_PROTO_HEADER_BYTES + (uint64_t)(n + 1) * KVS_PROTO_TRAIL_REC_BYTES;
+        r.t_send_us = wall_us();
+        if (!t_recv) r.t_recv_us = r.t_send_us;
+        kvs_proto_put_trail_rec(p + (size_t)n * KVS_PROTO_TRAIL_REC_BYTES, &r);
+        n++;
+    }
+    struct kvs_frame_header h = { .kind = KVS_FRAME_KEEPALIVE, .flags = KVS_FRAME_FLAG_PROBE | KVS_FRAME_FLAG_TRAIL,
+                                  .pos = probe_no, .n_tokens = n,
+                                  .payload_len = n * KVS_PROTO_TRAIL_REC_BYTES };
+    send_built(s, &h);
+}
+
+/* Head: a TRAIL probe came back: keep its per-stage figures. */
+static void head_take_trail(struct kvs_stage *s, const struct kvs_frame *f, uint64_t t_back)
+{
+    uint32_t n = f->h.n_tokens;
+    struct kvs_trail_rec r, nx;
+    pthread_mutex_lock(&s->mu);
+    s->n_hops = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        kvs_proto_get_trail_rec(f, i, &r);
+        struct kvs_stage_hop *o = &s->hops[s->n_hops++];
+        uint64_t next_recv = t_back;
+        if (i + 1 < n) {
+            kvs_proto_get_trail_rec(f, i + 1, &nx);
+            next_recv = nx.t_recv_us;
+        }
+        *o = (struct kvs_stage_hop){ .block_begin = (int32_t)r.block_begin, .block_end = (int32_t)r.block_end,
+                                     .forward_calls = r.forward_calls, .forward_ms = (double)r.forward_us / 1000.0,
+                                     .rows = r.rows, .bytes_out = r.bytes_out,
+                                     .residence_ms = r.t_send_us >= r.t_recv_us
+                                                         ? (double)(r.t_send_us - r.t_recv_us) / 1000.0 : 0.0,
+                                     .hop_ms = (double)((int64_t)next_recv - (int64_t)r.t_send_us) / 1000.0 };
+        if (i == 0) s->probe_rtt_ms = (double)((int64_t)t_back - (int64_t)r.t_send_us) / 1000.0;
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
 static void on_keepalive(struct kvs_stage *s, const struct kvs_frame *f)
 {
     if (!(f->h.flags & KVS_FRAME_FLAG_PROBE)) return;
+    uint64_t now = wall_us();
     if (s->is_head) {
-        if (f->h.pos == s->probe_no) s->probe_back = kvs_link_now_ms();
+        if (f->h.pos == s->probe_no) {
+            s->probe_back = kvs_link_now_ms();
+            if (f->h.flags & KVS_FRAME_FLAG_TRAIL) head_take_trail(s, f, now);
+        }
         met_update(s);
         return;
     }
-    send_simple(s, KVS_FRAME_KEEPALIVE, KVS_FRAME_FLAG_PROBE, 0, f->h.pos);
+    if (!(f->h.flags & KVS_FRAME_FLAG_TRAIL)) {
+        send_simple(s, KVS_FRAME_KEEPALIVE, KVS_FRAME_FLAG_PROBE, 0, f->h.pos);
+        return;
+    }
+    memcpy(s->sbuf + KVS_PROTO_HEADER_BYTES, f->payload, f->h.payload_len);
+    send_probe(s, f->h.pos, f->h.n_tokens, now);
 }
 
 /* A frame from the predecessor. Returns false if the link must close. */
@@ -847,7 +939,10 @@ static void out_read(struct kvs_stage *s)
             s->out_warned = false;
             s->out_last_write = kvs_link_now_ms();
             KVS_LOGI("successor [%u,%u) connected at %s", o.block_begin, o.block_end, s->next_addr);
-            if (!s->is_head) {
+            bool rejoin = s->out_ever_up || s->out_dropped > 0;
+            s->out_ever_up = true;
+            s->out_dropped = 0;
+            if (!s->is_head && rejoin) {
                 /* Frames sent while this link was down are lost: requests in
                  * flight cannot finish. Tell every stage and the head (§5). */
                 snprintf(msg, sizeof msg, "stage [%d,%d) re-joined its successor: requests in flight are lost",
@@ -1084,7 +1179,7 @@ static void timers(struct kvs_stage *s)
         if (s->is_head && now - s->probe_sent >= s->p.keepalive_ms) {
             s->probe_no++;
             s->probe_sent = now;
-            send_simple(s, KVS_FRAME_KEEPALIVE, KVS_FRAME_FLAG_PROBE, 0, s->probe_no);
+            send_probe(s, s->probe_no, 0, 0);
         } else if (now - s->out_last_write >= s->p.keepalive_ms) {
             send_simple(s, KVS_FRAME_KEEPALIVE, 0, 0, 0);
         }
@@ -1439,6 +1534,16 @@ void kvs_stage_metrics(struct kvs_stage *s, struct kvs_stage_metrics *m)
     pthread_mutex_lock(&s->mu);
     *m = s->met;
     pthread_mutex_unlock(&s->mu);
+}
+
+int kvs_stage_ring_stats(struct kvs_stage *s, struct kvs_stage_hop *out, int cap, double *rtt_ms)
+{
+    pthread_mutex_lock(&s->mu);
+    int n = s->is_head ? s->n_hops : 0;
+    for (int i = 0; i < n && i < cap; i++) out[i] = s->hops[i];
+    if (rtt_ms) *rtt_ms = n ? s->probe_rtt_ms : 0.0;
+    pthread_mutex_unlock(&s->mu);
+    return n;
 }
 
 kvs_err kvs_stage_params_from_manifest(const struct kvs_manifest *mf, int32_t rank, struct kvs_stage_params *p)

@@ -144,6 +144,28 @@ struct kvs_stage_metrics {
 /* Snapshot of the counters (thread-safe). */
 void kvs_stage_metrics(struct kvs_stage *s, struct kvs_stage_metrics *m);
 
+/* Per-stage figures from the ring probe trail (docs/PROTOCOL.md §3.8.1):
+ * the head sends a probe every keepalive period (1 s); every stage appends
+ * its counters and timestamps; the head keeps the last trail that came back.
+ * Entry 0 is the head, then the stages in ring order. Counters are
+ * cumulative since each stage started (take differences for rates). */
+struct kvs_stage_hop {
+    int32_t block_begin, block_end; /* the stage's window */
+    uint64_t forward_calls;         /* kvs_model_forward calls on that stage */
+    double forward_ms;              /* compute time of its window, ms (sum over the calls) */
+    uint64_t rows;                  /* prefill + decode rows it ran */
+    uint64_t bytes_out;             /* bytes it wrote to its successor (frames incl. headers) */
+    double residence_ms;            /* probe read -> probe written on that stage (0 on the head) */
+    double hop_ms;                  /* its send -> the successor's read (the tail's: -> the head), ms, from the
+                                     * stages' wall clocks: exact on one host, clock-sync accurate across
+                                     * hosts; includes time the probe queued behind frames being computed */
+};
+/* Head only: copies up to cap entries of the last trail into out and
+ * returns the number of stages it holds (0: not the head, or no trail came
+ * back yet). *rtt_ms (may be NULL) gets that probe's round trip on the
+ * head's clock. Thread-safe. */
+int kvs_stage_ring_stats(struct kvs_stage *s, struct kvs_stage_hop *out, int cap, double *rtt_ms);
+
 /* --- manifest (docs/MANIFEST.md; reader: kvs_manifest_load in src/plan/plan.h) --- */
 
 struct kvs_manifest;

@@ -429,13 +429,74 @@ static void test_protocol_md_examples(void **state)
     n = doc_example(doc, "KEEPALIVE", b, sizeof b);
     f = decode_bytewise(d, b, n);
     assert_true(f->h.kind == KVS_FRAME_KEEPALIVE && f->h.flags == KVS_FRAME_FLAG_PROBE && f->h.pos == 5);
+
+    n = doc_example(doc, "KEEPALIVE_TRAIL", b, sizeof b);
+    assert_int_equal(n, 80);
+    f = decode_bytewise(d, b, n);
+    assert_true(f->h.kind == KVS_FRAME_KEEPALIVE && f->h.pos == 5 && f->h.n_tokens == 1);
+    assert_int_equal(f->h.flags, KVS_FRAME_FLAG_PROBE | KVS_FRAME_FLAG_TRAIL);
+    struct kvs_trail_rec tr;
+    kvs_proto_get_trail_rec(f, 0, &tr);
+    assert_true(tr.block_begin == 0 && tr.block_end == 7);
+    assert_int_equal(tr.forward_calls, 100);
+    assert_int_equal(tr.forward_us, 2500000);
+    assert_int_equal(tr.rows, 108);
+    assert_int_equal(tr.bytes_out, 210000);
+    assert_int_equal(tr.t_recv_us, 1700000000000000ull);
+    assert_int_equal(tr.t_send_us, 1700000000000250ull);
     kvs_proto_decoder_free(d);
+}
+
+/* Revision 1.1 trail probes: round trip of two records; header rules. */
+static void test_trail(void **state)
+{
+    (void)state;
+    uint8_t b[24 + 2 * KVS_PROTO_TRAIL_REC_BYTES];
+    struct kvs_frame_header h = { .version = KVS_PROTO_VERSION, .kind = KVS_FRAME_KEEPALIVE,
+                                  .flags = KVS_FRAME_FLAG_PROBE | KVS_FRAME_FLAG_TRAIL,
+                                  .pos = 9, .n_tokens = 2, .payload_len = 2 * KVS_PROTO_TRAIL_REC_BYTES };
+    kvs_proto_put_header(b, &h);
+    struct kvs_trail_rec r0 = { 0, 14, 3, 4000000000ull, 5, 6, 7, 8 };
+    struct kvs_trail_rec r1 = { 14, 28, 0xffffffffffull, 1, 2, 3, UINT64_MAX, 0 };
+    kvs_proto_put_trail_rec(b + 24, &r0);
+    kvs_proto_put_trail_rec(b + 24 + KVS_PROTO_TRAIL_REC_BYTES, &r1);
+    assert_int_equal(b[24 + 4], 14); /* block_end, little-endian */
+    struct kvs_proto_decoder *d = kvs_proto_decoder_create(0, 8);
+    const struct kvs_frame *f = decode_bytewise(d, b, sizeof b);
+    struct kvs_trail_rec g;
+    kvs_proto_get_trail_rec(f, 0, &g);
+    assert_memory_equal(&g, &r0, sizeof g);
+    kvs_proto_get_trail_rec(f, 1, &g);
+    assert_memory_equal(&g, &r1, sizeof g);
+    kvs_proto_decoder_free(d);
+
+    char e[256];
+    struct kvs_frame_header k = h;
+    assert_int_equal(kvs_proto_check_header(&k, 0, 8, e, sizeof e), KVS_OK);
+    k.flags = KVS_FRAME_FLAG_TRAIL; /* TRAIL without PROBE */
+    assert_int_equal(kvs_proto_check_header(&k, 0, 8, e, sizeof e), KVS_ERR_FORMAT);
+    k = h;
+    k.payload_len = 2 * KVS_PROTO_TRAIL_REC_BYTES + 1;
+    assert_int_equal(kvs_proto_check_header(&k, 0, 8, e, sizeof e), KVS_ERR_RANGE);
+    k = h;
+    k.n_tokens = KVS_PROTO_MAX_TRAIL + 1;
+    k.payload_len = k.n_tokens * KVS_PROTO_TRAIL_REC_BYTES;
+    assert_int_equal(kvs_proto_check_header(&k, 0, 8, e, sizeof e), KVS_ERR_RANGE);
+    k = h;
+    k.n_tokens = 0; /* an empty trail is well-formed */
+    k.payload_len = 0;
+    assert_int_equal(kvs_proto_check_header(&k, 0, 8, e, sizeof e), KVS_OK);
+    k.flags = KVS_FRAME_FLAG_PROBE; /* a plain probe still has no payload */
+    k.n_tokens = 1;
+    k.payload_len = KVS_PROTO_TRAIL_REC_BYTES;
+    assert_int_equal(kvs_proto_check_header(&k, 0, 8, e, sizeof e), KVS_ERR_RANGE);
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_f16),
+        cmocka_unit_test(test_trail),
         cmocka_unit_test(test_roundtrip_all_kinds),
         cmocka_unit_test(test_stream_of_frames),
         cmocka_unit_test(test_bad_frames),
