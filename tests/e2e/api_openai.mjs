@@ -207,7 +207,13 @@ for (const bad of [{ ...req, max_tokens: 0 }, { ...req, temperature: 5 }, { ...r
     return true;
   });
   assert.ok(expected.startsWith(text), 'text before the failure is the reference prefix');
-  const h = await fetch(`http://127.0.0.1:${tinyPort}/health`);
+  // the head notices the broken ring within its link timeout (<= 5 s)
+  let h;
+  for (let i = 0; i < 50; i++) {
+    h = await fetch(`http://127.0.0.1:${tinyPort}/health`);
+    if (h.status === 503) break;
+    await new Promise((r) => setTimeout(r, 100));
+  }
   assert.equal(h.status, 503);
   await assert.rejects(tiny.completions.create(req), (e) => e instanceof APIError && e.status === 503);
   const m = await metrics(tinyPort);
