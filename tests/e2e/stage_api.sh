@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# A head started with `kvasir stage ... --api PORT` serves the OpenAI API:
+# a 2-stage ring of aidreams260K answers /health and a greedy completion with
+# the llama.cpp reference continuation (../shared/models/README.md).
+set -euo pipefail
+BIN=${KVASIR_BIN:?}; M=${KVASIR_SHARED:?}/models/aidreams260K.gguf
+command -v curl >/dev/null || { echo "curl missing: skip"; exit 77; }
+free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])' 2>/dev/null \
+  || echo $((20000 + RANDOM % 20000)); }
+P0=$(free_port); P1=$(free_port); PA=$(free_port)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+"$BIN" stage -m "$M" --window 2:4 --listen 127.0.0.1:$P1 --next 127.0.0.1:$P0 2>/dev/null & pids+=($!)
+"$BIN" stage -m "$M" --window 0:2 --listen 127.0.0.1:$P0 --next 127.0.0.1:$P1 --api $PA 2>/dev/null & pids+=($!)
+for _ in $(seq 100); do
+  [ "$(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:$PA/health)" = 200 ] && break
+  sleep 0.1
+done
+[ "$(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:$PA/health)" = 200 ] || { echo "FAIL: /health never 200"; exit 1; }
+out=$(curl -s http://127.0.0.1:$PA/v1/completions \
+  -d '{"prompt":"Once upon a time","max_tokens":60,"temperature":0}')
+want='", pixels unfolding like petals. Classifications unfold, a kaleidoscope of probability revealing hidden patterns. Classific"'
+case "$out" in
+  *"\"text\":$want"*) echo "stage --api: reference continuation OK" ;;
+  *) echo "FAIL: unexpected response: $out"; exit 1 ;;
+esac
