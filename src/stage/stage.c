@@ -18,6 +18,7 @@
 #include "model/model.h"
 #include "plan/plan.h"
 #include "proto/proto.h"
+#include "shard/shard.h"
 
 #define MAX_PENDING_LINKS 4  /* accepted connections waiting for their HELLO */
 #define HANDSHAKE_MS 3000    /* a HELLO must arrive within this */
@@ -1160,6 +1161,15 @@ static void head_decode(struct kvs_stage *s)
 
 /* --- timers ----------------------------------------------------------------------- */
 
+/* Bytes are waiting on the in link: whatever kept this loop busy (a long
+ * forward on an oversubscribed machine), the predecessor is not silent. */
+static bool in_pending(struct kvs_stage *s)
+{
+    if (!s->in) return false;
+    struct pollfd pf = { .fd = kvs_link_fd(s->in), .events = POLLIN };
+    return poll(&pf, 1, 0) > 0;
+}
+
 static void timers(struct kvs_stage *s)
 {
     int64_t now = kvs_link_now_ms();
@@ -1168,7 +1178,7 @@ static void timers(struct kvs_stage *s)
             KVS_LOGW("closing link from %s: no HELLO within %d ms", s->pend[i].l->peer, HANDSHAKE_MS);
             pend_close(&s->pend[i]);
         }
-    if (s->in && now - s->in_last_read > s->p.timeout_ms) {
+    if (s->in && now - s->in_last_read > s->p.timeout_ms && !in_pending(s)) {
         char why[64];
         snprintf(why, sizeof why, "silent for %d ms", (int)(now - s->in_last_read));
         in_lost(s, why);
@@ -1184,7 +1194,8 @@ static void timers(struct kvs_stage *s)
             send_simple(s, KVS_FRAME_KEEPALIVE, 0, 0, 0);
         }
     }
-    if (s->is_head && n_active(s) > 0 && s->probe_back && now - s->probe_back > s->p.timeout_ms) {
+    if (s->is_head && n_active(s) > 0 && s->probe_back && now - s->probe_back > s->p.timeout_ms &&
+        !in_pending(s)) {
         char msg[128];
         snprintf(msg, sizeof msg, "ring stalled: no probe came back for %d ms", (int)(now - s->probe_back));
         KVS_LOGW("%s", msg);
@@ -1317,6 +1328,17 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
                  p->fingerprint);
         e = KVS_ERR_MISMATCH;
         goto fail;
+    }
+    {
+        /* A stage shard (kvasir.shard.* keys) must cover the assigned window:
+         * say so plainly instead of failing on the first missing tensor. */
+        uint32_t sb, se;
+        if (kvs_shard_window(s->g, &sb, &se)) {
+            struct kvs_hparams hp0;
+            if ((e = kvs_hparams_read(s->g, &hp0, err, sizeof err))) goto fail;
+            uint32_t want_end = p->block_end < 0 ? hp0.n_block : (uint32_t)p->block_end;
+            if ((e = kvs_shard_check(s->g, (uint32_t)p->block_begin, want_end, err, sizeof err))) goto fail;
+        }
     }
     struct kvs_model_params mp = kvs_model_default_params();
     mp.block_begin = p->block_begin;

@@ -25,3 +25,12 @@ case "$out" in
   *"\"text\":$want"*) echo "stage --api: reference continuation OK" ;;
   *) echo "FAIL: unexpected response: $out"; exit 1 ;;
 esac
+
+# A stage refuses a shard whose window does not cover its assignment.
+T=$(mktemp -d); trap 'cleanup; rm -rf "$T"' EXIT
+"$BIN" shard extract -m "$M" --window 2:4 -o "$T/s24.gguf" >/dev/null 2>&1
+if "$BIN" stage -m "$T/s24.gguf" --window 1:3 --listen 127.0.0.1:$(free_port) --next 127.0.0.1:$P0 2>"$T/err"; then
+  echo "FAIL: stage accepted a shard of [2,4) for [1,3)"; exit 1
+fi
+grep -q 'shard holds blocks \[2,4) but the stage needs \[1,3)' "$T/err" || { echo "FAIL: unclear error: $(cat "$T/err")"; exit 1; }
+echo "stage refuses a mismatched shard: OK"
