@@ -622,6 +622,12 @@ kvs_err kvs_gguf_open(const char *path, struct kvs_gguf **out, char *errbuf, siz
             snprintf(errbuf, errlen, "%s: mmap: %s", path, strerror(en));
         return KVS_ERR_IO;
     }
+    /* No read-around: a window reads only the tensors it asks for (see
+     * kvs_gguf_willneed); the kernel's default readahead (often MiBs) would
+     * otherwise pull in neighbouring tensors while the header is parsed.
+     * Advisory: failure is harmless. */
+    if (map)
+        (void)madvise(map, size, MADV_RANDOM);
     char detail[256];
     struct kvs_gguf *g = NULL;
     kvs_err e = kvs_gguf_parse(map, size, size, &g, NULL, detail, sizeof detail);
@@ -844,4 +850,18 @@ const struct kvs_gguf_tensor *kvs_gguf_find_tensor(const struct kvs_gguf *g, con
             lo = mid + 1;
     }
     return NULL;
+}
+
+void kvs_gguf_willneed(const struct kvs_gguf *g, const struct kvs_gguf_tensor *t)
+{
+    if (!g || !t || !g->map || !t->data || !t->bytes)
+        return;
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t base = (uintptr_t)g->map;
+    uintptr_t a = (uintptr_t)t->data, z = a + (uintptr_t)t->bytes;
+    a &= ~(pg - 1);
+    z = (z + pg - 1) & ~(pg - 1);
+    if (a < base)
+        a = base;
+    (void)madvise((void *)a, z - a, MADV_WILLNEED);
 }

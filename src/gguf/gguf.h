@@ -190,6 +190,11 @@ size_t kvs_gguf_n_tensors(const struct kvs_gguf *g);
 const struct kvs_gguf_tensor *kvs_gguf_tensor(const struct kvs_gguf *g, size_t i);
 /* NULL if absent. */
 const struct kvs_gguf_tensor *kvs_gguf_find_tensor(const struct kvs_gguf *g, const char *name);
+/* Asks the kernel to read tensor t's pages (those of its byte range, rounded
+ * out to whole pages) ahead of use. Files opened with kvs_gguf_open are
+ * mapped with read-around disabled, so a window that calls this for its own
+ * tensors reads those and nothing else. Advisory; no-op for parsed buffers. */
+void kvs_gguf_willneed(const struct kvs_gguf *g, const struct kvs_gguf_tensor *t);
 
 /* Model fingerprint: SHA-256 over the architecture string, every
  * `<arch>.*` hyperparameter KV, the vocabulary size, and the tensor index

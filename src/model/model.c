@@ -119,6 +119,7 @@ static kvs_err find_tensor(struct loader *L, const char *name, int64_t ne0, int6
         set_err(L->errbuf, L->errlen, "tensor '%s' has no data in this file", name);
         return KVS_ERR_NOT_FOUND;
     }
+    kvs_gguf_willneed(L->g, t);
     *out = t;
     return KVS_OK;
 }
