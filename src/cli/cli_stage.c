@@ -2,6 +2,8 @@
  * The head stage can also serve prompts itself (--prompts / -p), which is how
  * the end-to-end tests drive a ring of separately started stages. */
 #include <errno.h>
+#include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +15,7 @@
 #include "cli/cli_ring.h"
 #include "common/log.h"
 #include "plan/plan.h"
+#include "api/api.h"
 #include "stage/stage.h"
 
 static void stage_usage(FILE *f)
@@ -51,6 +54,45 @@ static int flt(const char *s, float *out)
     if (errno || end == s || *end || v != v) return -1;
     *out = v;
     return 0;
+}
+
+static void *stage_loop_thread(void *arg)
+{
+    kvs_stage_run(arg);
+    return NULL;
+}
+
+/* The head with the OpenAI-compatible API: the stage loop runs on its own
+ * thread, the API on libmicrohttpd's threads; the calling thread waits for
+ * SIGINT/SIGTERM/SIGHUP on sfd, then stops the API before the stage (the API
+ * needs the loop to finish its requests). */
+static int stage_serve_api(struct kvs_stage *s, const struct kvs_stage_params *p, uint16_t port, int sfd)
+{
+    pthread_t th;
+    if (pthread_create(&th, NULL, stage_loop_thread, s) != 0) {
+        fprintf(stderr, "kvasir stage: cannot start the stage loop thread\n");
+        return 1;
+    }
+    struct kvs_api_params ap = kvs_api_default_params();
+    ap.port = port;
+    ap.model_path = p->model_path;
+    struct kvs_api *a = NULL;
+    char err[256];
+    kvs_err e = kvs_api_start(s, &ap, &a, err, sizeof err);
+    int rc = 0;
+    if (e) {
+        fprintf(stderr, "kvasir stage: API on port %u: %s (%s)\n", (unsigned)port, err, kvs_strerror(e));
+        rc = 1;
+    } else {
+        KVS_LOGI("stage: API on http://127.0.0.1:%u", (unsigned)kvs_api_port(a));
+        struct pollfd pfd = { .fd = sfd, .events = POLLIN };
+        while (poll(&pfd, 1, -1) < 0 && errno == EINTR) {
+        }
+    }
+    kvs_api_stop(a);
+    kvs_stage_stop(s);
+    pthread_join(th, NULL);
+    return rc;
 }
 
 int kvs_cli_stage(int argc, char **argv)
@@ -182,7 +224,6 @@ int kvs_cli_stage(int argc, char **argv)
         p.block_begin = (int32_t)b;
         p.block_end = (int32_t)en;
     }
-    if (api) KVS_LOGW("stage: --api %ld: the HTTP API is not part of this binary yet; ignored", api);
 
     sigset_t sigs, old;
     sigemptyset(&sigs);
@@ -204,6 +245,13 @@ int kvs_cli_stage(int argc, char **argv)
             rc = 2;
         } else {
             rc = kvs_ring_client(s, &co);
+        }
+    } else if (api) {
+        if (!kvs_stage_is_head(s)) {
+            fprintf(stderr, "kvasir stage: --api needs the head (window starting at 0)\n");
+            rc = 2;
+        } else {
+            rc = stage_serve_api(s, &p, (uint16_t)api, sfd);
         }
     } else {
         rc = kvs_stage_run(s) == KVS_OK ? 0 : 1;
