@@ -60,6 +60,18 @@ size_t kvs_kernels_row_bytes(enum kvs_type type, int64_t n)
     return (size_t)(n / e) * b;
 }
 
+size_t kvs_kernels_pack_row_bytes(enum kvs_type type, int64_t n)
+{
+    switch (type) {
+    case KVS_TYPE_Q8_0: case KVS_TYPE_Q4_0:
+        if (n <= 0 || n % 32 != 0)
+            return 0;
+        return (size_t)((n + 63) / 64) * KVS_PACK_PAIR_BYTES;
+    default:
+        return 0;
+    }
+}
+
 bool kvs_type_supported(enum kvs_type type)
 {
     switch (type) {
@@ -186,4 +198,14 @@ float kvs_vec_dot(const struct kvs_kernels *k, enum kvs_type type, int64_t n, co
 {
     assert(type >= 0 && type < KVS_TYPE_COUNT && k->dot[type]);
     return k->dot[type](n, w_row, act);
+}
+
+void kvs_vec_f16_scale(const struct kvs_kernels *k, uint16_t *y, float s, int64_t n)
+{
+    k->f16_scale(y, s, n);
+}
+
+void kvs_vec_f16_mad(const struct kvs_kernels *k, uint16_t *y, const uint16_t *x, float s, int64_t n)
+{
+    k->f16_mad(y, x, s, n);
 }

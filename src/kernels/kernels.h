@@ -59,6 +59,12 @@ void kvs_quantize_act(const struct kvs_kernels *k, enum kvs_type act_type, const
 float kvs_vec_dot(const struct kvs_kernels *k, enum kvs_type type, int64_t n, const void *w_row,
                   const void *act);
 
+/* F16 vector updates with round-to-nearest-even results (attention's F16
+ * V accumulator): y[i] = f16(y[i] * s), and y[i] = f16(y[i] + x[i] * s)
+ * with the product rounded to F32 before the sum (no FMA). */
+void kvs_vec_f16_scale(const struct kvs_kernels *k, uint16_t *y, float s, int64_t n);
+void kvs_vec_f16_mad(const struct kvs_kernels *k, uint16_t *y, const uint16_t *x, float s, int64_t n);
+
 /* Reference weight quantizer (to create files: synth, tests): F32 -> type
  * for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16, F32 (gguf-facts §2.3
  * reference quantizers). Returns KVS_ERR_UNSUPPORTED for other types. */

@@ -53,16 +53,41 @@ typedef float (*kvs_dot_fn)(int64_t n, const void *w, const void *a);
 /* Dot of one weight row with 4 activation rows a + t*a_stride bytes, t<4. */
 typedef void (*kvs_dot4_fn)(int64_t n, const void *w, const void *a, size_t a_stride, float out[4]);
 
+/* Register-blocked GEMM over a packed activation layout (an ISA's own; see
+ * kvs_kernels_pack_row_bytes for its size): pack_act quantizes one F32 row of
+ * n activations exactly as quant_act does for the weight type's vec_dot type
+ * and stores it in the kernel's layout; gemm computes
+ *   y[t * y_stride + r] = dot(weight row r, activation row t)
+ * for r < nr (rows w + r * w_stride bytes) and t < nt (packed rows a + t *
+ * a_stride bytes), with the same integer sums and per-block scales as dot. */
+typedef void (*kvs_pack_act_fn)(const float *src, void *dst, int64_t n);
+typedef void (*kvs_gemm_fn)(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a,
+                            size_t a_stride, int64_t nt, float *y, size_t y_stride);
+
 /* One ISA's table, indexed by enum kvs_type. dequant/quant_act/dot entries
  * are non-NULL for every supported type (scalar where the ISA has no special
- * path); dot4 may be NULL (matmul then calls dot four times). */
+ * path); dot4 may be NULL (matmul then calls dot four times); pack_act and
+ * gemm are both set or both NULL (matmul then uses dot/dot4). */
 struct kvs_kernels {
     enum kvs_isa isa;
     kvs_dequant_fn dequant[KVS_TYPE_COUNT];
     kvs_quant_act_fn quant_act[KVS_TYPE_COUNT];
     kvs_dot_fn dot[KVS_TYPE_COUNT];
     kvs_dot4_fn dot4[KVS_TYPE_COUNT];
+    kvs_pack_act_fn pack_act[KVS_TYPE_COUNT];
+    kvs_gemm_fn gemm[KVS_TYPE_COUNT];
+    /* y[i] = f16(f16(y[i]) * s) and y[i] = f16(f16(y[i]) + f16(x[i]) * s)
+     * over n F16 values (attention's F16 V accumulator), round to nearest
+     * even. */
+    void (*f16_scale)(uint16_t *y, float s, int64_t n);
+    void (*f16_mad)(uint16_t *y, const uint16_t *x, float s, int64_t n);
 };
+
+/* Bytes of one packed GEMM activation row of n elements for weights of
+ * `type` (0 if the type has no packed layout): pairs of 32-element blocks,
+ * each pair 64 quants, 16 int32 offset corrections and 16 float scales. */
+#define KVS_PACK_PAIR_BYTES 192
+size_t kvs_kernels_pack_row_bytes(enum kvs_type type, int64_t n);
 
 /* Bytes per block and elements per block for the types this module handles;
  * false otherwise. (Private so that kernels does not depend on the gguf
@@ -107,6 +132,8 @@ float kvs_ref_dot_q3_K(int64_t n, const void *w, const void *a);
 float kvs_ref_dot_q4_K(int64_t n, const void *w, const void *a);
 float kvs_ref_dot_q5_K(int64_t n, const void *w, const void *a);
 float kvs_ref_dot_q6_K(int64_t n, const void *w, const void *a);
+void kvs_ref_f16_scale(uint16_t *y, float s, int64_t n);
+void kvs_ref_f16_mad(uint16_t *y, const uint16_t *x, float s, int64_t n);
 
 /* Q4_K/Q5_K packed 6-bit scale and min of sub-block j (gguf-facts §2.4). */
 static inline void kvs_q4k_scale_min(int j, const uint8_t *b, uint8_t *sc, uint8_t *mn)
@@ -149,7 +176,8 @@ static inline void kvs_q4k_scale_min(int j, const uint8_t *b, uint8_t *sc, uint8
         [KVS_TYPE_Q2_K] = kvs_ref_dot_q2_K, [KVS_TYPE_Q3_K] = kvs_ref_dot_q3_K,                     \
         [KVS_TYPE_Q4_K] = kvs_ref_dot_q4_K, [KVS_TYPE_Q5_K] = kvs_ref_dot_q5_K,                     \
         [KVS_TYPE_Q6_K] = kvs_ref_dot_q6_K,                                                         \
-    }
+    },                                                                                               \
+    .f16_scale = kvs_ref_f16_scale, .f16_mad = kvs_ref_f16_mad
 
 /* The scalar table (kernels.c) and the SIMD tables (arch/ files). */
 extern const struct kvs_kernels kvs_kernels_scalar;

@@ -750,3 +750,17 @@ kvs_err kvs_quantize_weights(enum kvs_type type, const float *src, void *dst, in
     default: return KVS_ERR_UNSUPPORTED;
     }
 }
+
+/* --- F16 vector updates (attention's V accumulator) ------------------------ */
+
+void kvs_ref_f16_scale(uint16_t *y, float s, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] = kvs_f32_to_f16(kvs_f16_to_f32(y[i]) * s);
+}
+
+void kvs_ref_f16_mad(uint16_t *y, const uint16_t *x, float s, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] = kvs_f32_to_f16(kvs_f16_to_f32(y[i]) + kvs_f16_to_f32(x[i]) * s);
+}

@@ -13,7 +13,9 @@ size_t kvs_matmul_scratch_bytes(enum kvs_type type, int64_t K, int64_t n_tok)
     enum kvs_type vt = kvs_vec_dot_type(type);
     if (vt == KVS_TYPE_COUNT || vt == KVS_TYPE_F32 || n_tok < 0)
         return 0;
-    return kvs_kernels_row_bytes(vt, K) * (size_t)n_tok;
+    size_t plain = kvs_kernels_row_bytes(vt, K), packed = kvs_kernels_pack_row_bytes(type, K);
+    /* the packed GEMM layout (any ISA) is 64-byte aligned inside the scratch */
+    return (plain > packed ? plain : packed) * (size_t)n_tok + (packed ? 64 : 0);
 }
 
 struct kvs_mm_job {
@@ -27,13 +29,14 @@ struct kvs_mm_job {
     void *act_w;       /* the same, writable (scratch) */
     size_t act_row;
     enum kvs_type vt;
+    kvs_gemm_fn gemm;  /* non-NULL: act is in the ISA's packed layout */
 };
 
 static void kvs_mm_quant_task(void *ctx, int ith, int nth)
 {
     struct kvs_mm_job *j = ctx;
     int64_t K = j->W->ne0;
-    kvs_quant_act_fn q = j->k->quant_act[j->vt];
+    kvs_quant_act_fn q = j->gemm ? j->k->pack_act[j->W->type] : j->k->quant_act[j->vt];
     for (int64_t t = ith; t < j->n_tok; t += nth)
         q(j->x + t * K, (char *)j->act_w + (size_t)t * j->act_row, K);
 }
@@ -44,12 +47,19 @@ static void kvs_mm_dot_task(void *ctx, int ith, int nth)
     const struct kvs_matrix *W = j->W;
     int64_t rows = j->row_end - j->row_begin;
     int64_t per = (rows + nth - 1) / nth;
+    if (j->gemm)
+        per = (per + 3) & ~(int64_t)3; /* whole 4-row tiles */
     int64_t r0 = (int64_t)ith * per, r1 = r0 + per;
     if (r1 > rows)
         r1 = rows;
     if (r0 >= r1)
         return;
     int64_t K = W->ne0, N = rows, T = j->n_tok;
+    if (j->gemm) {
+        j->gemm(K, (const char *)W->data + (size_t)(j->row_begin + r0) * W->row_bytes, W->row_bytes, r1 - r0,
+                j->act, j->act_row, T, j->y + r0, (size_t)N);
+        return;
+    }
     kvs_dot_fn dot = j->k->dot[W->type];
     kvs_dot4_fn dot4 = j->k->dot4[W->type];
     const char *wbase = (const char *)W->data + (size_t)j->row_begin * W->row_bytes;
@@ -95,6 +105,12 @@ void kvs_matmul_rows(const struct kvs_kernels *k, struct kvs_pool *pool, const s
         assert(scratch);
         j.act = j.act_w = scratch;
         j.act_row = kvs_kernels_row_bytes(j.vt, W->ne0);
+        size_t packed = kvs_kernels_pack_row_bytes(W->type, W->ne0);
+        if (packed && k->gemm[W->type] && k->pack_act[W->type]) {
+            j.gemm = k->gemm[W->type];
+            j.act = j.act_w = (void *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+            j.act_row = packed;
+        }
         if (n_tok == 1)
             kvs_mm_quant_task(&j, 0, 1); /* one short row: cheaper than a pool round trip */
         else

@@ -517,19 +517,17 @@ static void attention_worker(void *vctx, int ith, int nth)
         for (int32_t j = 0; j <= pos; j++) {
             const uint16_t *kr = kc + (size_t)j * (size_t)m->kv_dim;
             const uint16_t *vr = vc + (size_t)j * (size_t)m->kv_dim;
-            float s = 0.0f;
-            for (int32_t d = 0; d < D; d++) s += tab[q16[d]] * tab[kr[d]];
-            s *= scale;
+            const float s = kvs_vec_dot(m->k, KVS_TYPE_F16, D, q16, kr) * scale;
             float ms = 1.0f, vs = 1.0f;
             if (s > M) {
                 const float m_old = M;
                 M = s;
                 ms = expf(m_old - M);
-                for (int32_t d = 0; d < D; d++) acc[d] = to_f16(tab[acc[d]] * ms);
+                kvs_vec_f16_scale(m->k, acc, ms, D);
             } else {
                 vs = expf(s - M);
             }
-            for (int32_t d = 0; d < D; d++) acc[d] = to_f16(tab[acc[d]] + tab[vr[d]] * vs);
+            kvs_vec_f16_mad(m->k, acc, vr, vs, D);
             S = S * ms + vs;
         }
         float *o = m->att + (size_t)t * (size_t)m->q_dim + (size_t)h * (size_t)D;

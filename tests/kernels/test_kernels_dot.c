@@ -297,6 +297,97 @@ static void test_matmul_threads(void **state)
     }
 }
 
+/* The register-blocked GEMM path (packed activations; Q8_0 and Q4_0 on
+ * AVX-512) against scalar dots for every tile shape: rows 1..9 and tokens
+ * 1..7 cover full and partial tiles, K from one block (a lone odd block) to
+ * an odd count of pairs, and pools of 1..3 threads split the rows. */
+static void test_matmul_tiles(void **state)
+{
+    (void)state;
+    const struct kvs_kernels *ref = kvs_kernels_get(KVS_ISA_SCALAR);
+    static const enum kvs_type types[] = {KVS_TYPE_Q8_0, KVS_TYPE_Q4_0};
+    static const int64_t Ks[] = {32, 64, 96, 352};
+    for (int isa = KVS_ISA_AVX2; isa <= KVS_ISA_NEON; isa++) {
+        const struct kvs_kernels *k = kvs_kernels_get((enum kvs_isa)isa);
+        if (!k)
+            continue;
+        for (int nt = 1; nt <= 3; nt++) {
+            struct kvs_pool *pool = NULL;
+            assert_int_equal(kvs_pool_create(nt, &pool), KVS_OK);
+            for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+                for (size_t ki = 0; ki < sizeof Ks / sizeof Ks[0]; ki++) {
+                    enum kvs_type t = types[ti], vt = kvs_vec_dot_type(t);
+                    const int64_t K = Ks[ki], NMAX = 9, TMAX = 7;
+                    size_t rb = kvs_type_row_bytes(t, K);
+                    uint8_t *w = malloc(rb * NMAX), *a = malloc(kvs_type_row_bytes(vt, K) * TMAX);
+                    float *x = malloc((size_t)(TMAX * K) * 4), *y = malloc((size_t)(TMAX * NMAX) * 4);
+                    void *scratch = malloc(kvs_matmul_scratch_bytes(t, K, TMAX));
+                    for (int64_t r = 0; r < NMAX; r++)
+                        random_weights(t, w + r * rb, K);
+                    random_acts(x, TMAX * K);
+                    for (int64_t tt = 0; tt < TMAX; tt++)
+                        kvs_quantize_act(ref, vt, x + tt * K, a + tt * kvs_type_row_bytes(vt, K), K);
+                    for (int64_t N = 1; N <= NMAX; N++) {
+                        for (int64_t T = 1; T <= TMAX; T++) {
+                            struct kvs_matrix W = {.type = t, .ne0 = K, .ne1 = N, .row_bytes = rb, .data = w};
+                            kvs_matmul(k, pool, &W, x, T, y, scratch);
+                            for (int64_t tt = 0; tt < T; tt++) {
+                                for (int64_t r = 0; r < N; r++) {
+                                    float want = kvs_vec_dot(ref, t, K, w + r * rb,
+                                                             a + tt * kvs_type_row_bytes(vt, K));
+                                    float got = y[tt * N + r];
+                                    if (fabsf(got - want) > 1e-4f * (fabsf(want) + 1.0f)) {
+                                        print_error("%s %s K=%lld N=%lld T=%lld threads=%d row %lld tok %lld: "
+                                                    "%.9g vs %.9g\n",
+                                                    kvs_isa_name((enum kvs_isa)isa), kvs_type_name(t),
+                                                    (long long)K, (long long)N, (long long)T, nt, (long long)r,
+                                                    (long long)tt, got, want);
+                                        fail();
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    free(w), free(a), free(x), free(y), free(scratch);
+                }
+            }
+            kvs_pool_destroy(pool);
+        }
+    }
+}
+
+/* F16 accumulator updates: every ISA equals the scalar reference bit for bit
+ * (one F32 rounding per operation, round-to-nearest-even to F16), including
+ * lengths that leave a tail. */
+static void test_f16_vec(void **state)
+{
+    (void)state;
+    const struct kvs_kernels *ref = kvs_kernels_get(KVS_ISA_SCALAR);
+    enum { N = 203 };
+    uint16_t x[N], y0[N], y1[N], y2[N];
+    for (int i = 0; i < N; i++) {
+        x[i] = kvs_f32_to_f16(rndf(-4.0f, 4.0f));
+        y0[i] = kvs_f32_to_f16(rndf(-60000.0f, 60000.0f) * (i % 3 == 0 ? 1e-8f : 1.0f));
+    }
+    for (int isa = KVS_ISA_SCALAR; isa <= KVS_ISA_NEON; isa++) {
+        const struct kvs_kernels *k = kvs_kernels_get((enum kvs_isa)isa);
+        if (!k)
+            continue;
+        static const float scales[] = {0.0f, 1.0f, 0.3728f, 1e-5f, 17.5f};
+        for (size_t si = 0; si < sizeof scales / sizeof scales[0]; si++) {
+            for (int n = 0; n <= N; n += 29) {
+                memcpy(y1, y0, sizeof y0), memcpy(y2, y0, sizeof y0);
+                kvs_vec_f16_mad(ref, y1, x, scales[si], n);
+                kvs_vec_f16_mad(k, y2, x, scales[si], n);
+                assert_memory_equal(y1, y2, sizeof y1);
+                kvs_vec_f16_scale(ref, y1, scales[si], n);
+                kvs_vec_f16_scale(k, y2, scales[si], n);
+                assert_memory_equal(y1, y2, sizeof y1);
+            }
+        }
+    }
+}
+
 static void count_task(void *ctx, int ith, int nth)
 {
     int *slots = ctx;
@@ -326,6 +417,8 @@ int main(void)
         cmocka_unit_test(test_simd_quant_ties),
         cmocka_unit_test(test_pool),
         cmocka_unit_test(test_matmul_threads),
+        cmocka_unit_test(test_matmul_tiles),
+        cmocka_unit_test(test_f16_vec),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -102,6 +102,239 @@ KVS_AVX512_DOT4_LEGACY(kvs_avx512_dot4_q8_0, kvs_block_q8_0, kvs_avx512_load2(x[
 KVS_AVX512_DOT4_LEGACY(kvs_avx512_dot4_q4_0, kvs_block_q4_0, kvs_avx512_unpack2_q4_0(x[i].qs, x[i + 1].qs),
                        kvs_x86_dot_q4_0)
 
+/* --- register-blocked GEMM for Q8_0 / Q4_0 weights ------------------------
+ *
+ * Packed activation layout (kvs_kernels_pack_row_bytes): per pair of 32-
+ * element Q8_0 blocks, 192 bytes = 64 s8 quants, 16 int32 corrections and 16
+ * float scales (lane l of the 16 int32 lanes covers quants 4l..4l+3 and
+ * belongs to one block, whose f16 scale converted to float is d[l]).
+ *
+ * vpdpbusd multiplies unsigned by signed bytes, so the weights are made
+ * unsigned: Q8_0 w + 128 (w ^ 0x80), Q4_0 the raw nibble q = w + 8. Then
+ * sum (w + c) a = sum w a + c sum a; the correction -c * (sum of the lane's
+ * 4 activation quants) is precomputed per lane at packing time and is the
+ * accumulator vpdpbusd starts from, so each (row, token, block pair) costs
+ * one vpdpbusd, one conversion, one multiply and one FMA, and each weight
+ * pair is loaded and unpacked once per tile of up to 4 tokens.
+ *
+ * Lane order: Q8_0 pairs are block 0 then block 1 (lanes 0-7, 8-15). Q4_0
+ * pairs put nibbles in 128-bit lanes as [b0 low, b1 low, b0 high, b1 high]
+ * (elements 0-15 of block 0, 0-15 of block 1, 16-31 of block 0, 16-31 of
+ * block 1), and the activation quants are packed in the same order. An odd
+ * last block is a pair whose second half is zero (quants, corrections and
+ * scales). */
+
+#define KVS_GEMM_MAX_R 4
+#define KVS_GEMM_MAX_T 3
+
+static inline void kvs_avx512_pack_q8(const float *src, void *dst, int64_t n, int q4)
+{
+    char *out = dst;
+    const int64_t nb = n / KVS_QK;
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t p = 0; p < (nb + 1) / 2; p++, out += KVS_PACK_PAIR_BYTES) {
+        kvs_block_q8_0 b[2];
+        const bool two = 2 * p + 1 < nb;
+        kvs_x86_quant_q8_0(src + 2 * KVS_QK * p, b, two ? 2 * KVS_QK : KVS_QK);
+        if (!two)
+            memset(&b[1], 0, sizeof b[1]);
+        __m512i q;
+        __m512 d;
+        const float d0 = KVS_F16(b[0].d), d1 = KVS_F16(b[1].d);
+        if (q4) {
+            __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)b[0].qs)),
+                                                 _mm_loadu_si128((const __m128i *)b[1].qs), 1);
+            __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b[0].qs + 16))),
+                                                 _mm_loadu_si128((const __m128i *)(b[1].qs + 16)), 1);
+            q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            d = _mm512_mask_mov_ps(_mm512_set1_ps(d0), 0xF0F0, _mm512_set1_ps(d1));
+        } else {
+            q = kvs_avx512_load2(b[0].qs, b[1].qs);
+            d = kvs_avx512_scale2(d0, d1);
+        }
+        __m512i s4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q);
+        __m512i nc = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s4, q4 ? 3 : 7));
+        _mm512_storeu_si512(out, q);
+        _mm512_storeu_si512(out + 64, nc);
+        _mm512_storeu_ps(out + 128, d);
+    }
+}
+
+static void kvs_avx512_pack_q8_0(const float *src, void *dst, int64_t n)
+{
+    kvs_avx512_pack_q8(src, dst, n, 0);
+}
+
+static void kvs_avx512_pack_q4_0(const float *src, void *dst, int64_t n)
+{
+    kvs_avx512_pack_q8(src, dst, n, 1);
+}
+
+/* One weight block pair at b as unsigned quants and per-lane float scales
+ * (see the layout above); `two` false: only the first block exists. */
+static inline __attribute__((always_inline)) void kvs_avx512_wpair(int q4, bool two, const char *b, __m512i *wq,
+                                                                   __m512 *wd)
+{
+    if (q4) {
+        const kvs_block_q4_0 *x = (const kvs_block_q4_0 *)b;
+        const __m256i m4 = _mm256_set1_epi8(0x0F);
+        __m256i t;
+        if (two) {
+            t = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)x[0].qs)),
+                                        _mm_loadu_si128((const __m128i *)x[1].qs), 1);
+            /* d0 is word 0 and d1 word 9 of the pair's first 32 bytes */
+            const __m256i idx = _mm256_setr_epi16(0, 0, 0, 0, 9, 9, 9, 9, 0, 0, 0, 0, 9, 9, 9, 9);
+            __m256i dd = _mm256_permutexvar_epi16(idx, _mm256_loadu_si256((const __m256i *)b));
+            *wd = _mm512_cvtph_ps(dd);
+        } else {
+            t = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)x[0].qs));
+            *wd = _mm512_maskz_mov_ps(0x0F0F, _mm512_set1_ps(KVS_F16(x[0].d)));
+        }
+        __m256i lo = _mm256_and_si256(t, m4), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m4);
+        *wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    } else {
+        const kvs_block_q8_0 *x = (const kvs_block_q8_0 *)b;
+        const __m512i x80 = _mm512_set1_epi8((char)0x80);
+        if (two) {
+            *wq = _mm512_xor_si512(kvs_avx512_load2(x[0].qs, x[1].qs), x80);
+            /* d0 is word 0 and d1 word 17 of the pair's first 64 bytes */
+            const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                 17, 17, 17, 17, 17, 17, 17, 17, 0, 0, 0, 0, 0, 0, 0, 0);
+            __m512i dd = _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(b));
+            *wd = _mm512_cvtph_ps(_mm512_castsi512_si256(dd));
+        } else {
+            *wq = _mm512_zextsi256_si512(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)x[0].qs),
+                                                          _mm256_set1_epi8((char)0x80)));
+            *wd = _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(KVS_F16(x[0].d)));
+        }
+    }
+}
+
+/* acc[r][t] += pair p of weight row r times packed activation row t. */
+static inline __attribute__((always_inline)) void kvs_avx512_gemm_pair(int q4, bool two, int R, int T,
+                                                                       const char *w, size_t w_stride,
+                                                                       const char *ap, size_t a_stride,
+                                                                       __m512 acc[KVS_GEMM_MAX_R][KVS_GEMM_MAX_T])
+{
+    __m512i wq[KVS_GEMM_MAX_R];
+    __m512 wd[KVS_GEMM_MAX_R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        kvs_avx512_wpair(q4, two, w + (size_t)r * w_stride, &wq[r], &wd[r]);
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+        const char *at = ap + (size_t)t * a_stride;
+        const __m512i aq = _mm512_loadu_si512(at);
+        const __m512 ad = _mm512_loadu_ps((const float *)(at + 128));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(at + 64), wq[r], aq);
+            acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), ad), wd[r], acc[r][t]);
+        }
+    }
+}
+
+/* R weight rows x T packed activation rows (R, T <= 4, compile-time after
+ * inlining). */
+static inline __attribute__((always_inline)) void kvs_avx512_gemm_tile(int q4, int R, int T, int64_t nb,
+                                                                       const char *w, size_t w_stride,
+                                                                       const char *a, size_t a_stride,
+                                                                       float *y, size_t y_stride)
+{
+    const size_t pair = q4 ? 2 * sizeof(kvs_block_q4_0) : 2 * sizeof(kvs_block_q8_0);
+    __m512 acc[KVS_GEMM_MAX_R][KVS_GEMM_MAX_T];
+#pragma GCC unroll 4
+    for (int r = 0; r < KVS_GEMM_MAX_R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < KVS_GEMM_MAX_T; t++)
+            acc[r][t] = _mm512_setzero_ps();
+    const int64_t np = nb / 2;
+    for (int64_t p = 0; p < np; p++)
+        kvs_avx512_gemm_pair(q4, true, R, T, w + (size_t)p * pair, w_stride, a + (size_t)p * KVS_PACK_PAIR_BYTES,
+                             a_stride, acc);
+    if (nb & 1)
+        kvs_avx512_gemm_pair(q4, false, R, T, w + (size_t)np * pair, w_stride,
+                             a + (size_t)np * KVS_PACK_PAIR_BYTES, a_stride, acc);
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            y[(size_t)t * y_stride + (size_t)r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+#define KVS_GEMM_CASE_T(Q4, R, T)                                                                    \
+    case T: kvs_avx512_gemm_tile(Q4, R, T, nb, wr, w_stride, at, a_stride, yt, y_stride); break;
+#define KVS_GEMM_CASE_R(Q4, R)                                                                       \
+    case R:                                                                                          \
+        switch (nt - t) {                                                                            \
+            KVS_GEMM_CASE_T(Q4, R, 1)                                                                \
+            KVS_GEMM_CASE_T(Q4, R, 2)                                                                \
+        default: kvs_avx512_gemm_tile(Q4, R, 3, nb, wr, w_stride, at, a_stride, yt, y_stride); break; \
+        }                                                                                            \
+        break;
+
+#define KVS_AVX512_GEMM(NAME, Q4)                                                                    \
+    static void NAME(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a,         \
+                     size_t a_stride, int64_t nt, float *y, size_t y_stride)                        \
+    {                                                                                                \
+        const int64_t nb = n / KVS_QK;                                                               \
+        for (int64_t r = 0; r < nr; r += KVS_GEMM_MAX_R) {                                           \
+            const char *wr = (const char *)w + (size_t)r * w_stride;                                 \
+            for (int64_t t = 0; t < nt; t += KVS_GEMM_MAX_T) {                                       \
+                const char *at = (const char *)a + (size_t)t * a_stride;                             \
+                float *yt = y + (size_t)t * y_stride + (size_t)r;                                    \
+                switch (nr - r) {                                                                    \
+                    KVS_GEMM_CASE_R(Q4, 1)                                                           \
+                    KVS_GEMM_CASE_R(Q4, 2)                                                           \
+                    KVS_GEMM_CASE_R(Q4, 3)                                                           \
+                default:                                                                             \
+                    switch (nt - t) {                                                                \
+                        KVS_GEMM_CASE_T(Q4, 4, 1)                                                    \
+                        KVS_GEMM_CASE_T(Q4, 4, 2)                                                    \
+                    default:                                                                         \
+                        kvs_avx512_gemm_tile(Q4, 4, 3, nb, wr, w_stride, at, a_stride, yt, y_stride);  \
+                        break;                                                                       \
+                    }                                                                                \
+                    break;                                                                           \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+KVS_AVX512_GEMM(kvs_avx512_gemm_q8_0, 0)
+KVS_AVX512_GEMM(kvs_avx512_gemm_q4_0, 1)
+
+/* --- F16 vector updates ------------------------------------------------------ */
+
+static void kvs_avx512_f16_scale(uint16_t *y, float s, int64_t n)
+{
+    const __m512 vs = _mm512_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(y + i))), vs);
+        _mm256_storeu_si256((__m256i *)(y + i), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    if (i < n)
+        kvs_ref_f16_scale(y + i, s, n - i);
+}
+
+/* y + x * s with one rounding for the product and one for the sum (no FMA:
+ * the scalar reference rounds twice). */
+static void kvs_avx512_f16_mad(uint16_t *y, const uint16_t *x, float s, int64_t n)
+{
+    const __m512 vs = _mm512_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 p = _mm512_mul_round_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))), vs,
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 v = _mm512_add_round_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(y + i))), p,
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_storeu_si256((__m256i *)(y + i), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    if (i < n)
+        kvs_ref_f16_mad(y + i, x + i, s, n - i);
+}
+
 const struct kvs_kernels kvs_kernels_avx512 = {
     .isa = KVS_ISA_AVX512,
     KVS_KERNELS_REF_ENTRIES,
@@ -110,4 +343,10 @@ const struct kvs_kernels kvs_kernels_avx512 = {
     .dot[KVS_TYPE_Q4_0] = kvs_avx512_dot_q4_0,
     .dot4[KVS_TYPE_Q8_0] = kvs_avx512_dot4_q8_0,
     .dot4[KVS_TYPE_Q4_0] = kvs_avx512_dot4_q4_0,
+    .pack_act[KVS_TYPE_Q8_0] = kvs_avx512_pack_q8_0,
+    .pack_act[KVS_TYPE_Q4_0] = kvs_avx512_pack_q4_0,
+    .gemm[KVS_TYPE_Q8_0] = kvs_avx512_gemm_q8_0,
+    .gemm[KVS_TYPE_Q4_0] = kvs_avx512_gemm_q4_0,
+    .f16_scale = kvs_avx512_f16_scale,
+    .f16_mad = kvs_avx512_f16_mad,
 };
