@@ -124,8 +124,12 @@ KVS_AVX512_DOT4_LEGACY(kvs_avx512_dot4_q4_0, kvs_block_q4_0, kvs_avx512_unpack2_
  * last block is a pair whose second half is zero (quants, corrections and
  * scales). */
 
+#ifndef KVS_GEMM_MAX_R
 #define KVS_GEMM_MAX_R 4
-#define KVS_GEMM_MAX_T 3
+#endif
+#ifndef KVS_GEMM_MAX_T
+#define KVS_GEMM_MAX_T 4
+#endif
 
 static inline void kvs_avx512_pack_q8(const float *src, void *dst, int64_t n, int q4)
 {
@@ -218,15 +222,15 @@ static inline __attribute__((always_inline)) void kvs_avx512_gemm_pair(int q4, b
 {
     __m512i wq[KVS_GEMM_MAX_R];
     __m512 wd[KVS_GEMM_MAX_R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++)
         kvs_avx512_wpair(q4, two, w + (size_t)r * w_stride, &wq[r], &wd[r]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int t = 0; t < T; t++) {
         const char *at = ap + (size_t)t * a_stride;
         const __m512i aq = _mm512_loadu_si512(at);
         const __m512 ad = _mm512_loadu_ps((const float *)(at + 128));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(at + 64), wq[r], aq);
             acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), ad), wd[r], acc[r][t]);
@@ -243,9 +247,9 @@ static inline __attribute__((always_inline)) void kvs_avx512_gemm_tile(int q4, i
 {
     const size_t pair = q4 ? 2 * sizeof(kvs_block_q4_0) : 2 * sizeof(kvs_block_q8_0);
     __m512 acc[KVS_GEMM_MAX_R][KVS_GEMM_MAX_T];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < KVS_GEMM_MAX_R; r++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int t = 0; t < KVS_GEMM_MAX_T; t++)
             acc[r][t] = _mm512_setzero_ps();
     const int64_t np = nb / 2;
@@ -255,54 +259,84 @@ static inline __attribute__((always_inline)) void kvs_avx512_gemm_tile(int q4, i
     if (nb & 1)
         kvs_avx512_gemm_pair(q4, false, R, T, w + (size_t)np * pair, w_stride,
                              a + (size_t)np * KVS_PACK_PAIR_BYTES, a_stride, acc);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int t = 0; t < T; t++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++)
             y[(size_t)t * y_stride + (size_t)r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-#define KVS_GEMM_CASE_T(Q4, R, T)                                                                    \
-    case T: kvs_avx512_gemm_tile(Q4, R, T, nb, wr, w_stride, at, a_stride, yt, y_stride); break;
-#define KVS_GEMM_CASE_R(Q4, R)                                                                       \
-    case R:                                                                                          \
-        switch (nt - t) {                                                                            \
-            KVS_GEMM_CASE_T(Q4, R, 1)                                                                \
-            KVS_GEMM_CASE_T(Q4, R, 2)                                                                \
-        default: kvs_avx512_gemm_tile(Q4, R, 3, nb, wr, w_stride, at, a_stride, yt, y_stride); break; \
-        }                                                                                            \
+/* All tokens for R weight rows: full tiles of KVS_GEMM_MAX_T tokens, then
+ * one partial tile. */
+#define KVS_GEMM_T_CASE(T)                                                                           \
+    case T:                                                                                          \
+        if (T < KVS_GEMM_MAX_T)                                                                      \
+            kvs_avx512_gemm_tile(q4, R, T < KVS_GEMM_MAX_T ? T : 1, nb, w, w_stride, at, a_stride, yt, \
+                                 y_stride);                                                          \
         break;
-
-#define KVS_AVX512_GEMM(NAME, Q4)                                                                    \
-    static void NAME(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a,         \
-                     size_t a_stride, int64_t nt, float *y, size_t y_stride)                        \
-    {                                                                                                \
-        const int64_t nb = n / KVS_QK;                                                               \
-        for (int64_t r = 0; r < nr; r += KVS_GEMM_MAX_R) {                                           \
-            const char *wr = (const char *)w + (size_t)r * w_stride;                                 \
-            for (int64_t t = 0; t < nt; t += KVS_GEMM_MAX_T) {                                       \
-                const char *at = (const char *)a + (size_t)t * a_stride;                             \
-                float *yt = y + (size_t)t * y_stride + (size_t)r;                                    \
-                switch (nr - r) {                                                                    \
-                    KVS_GEMM_CASE_R(Q4, 1)                                                           \
-                    KVS_GEMM_CASE_R(Q4, 2)                                                           \
-                    KVS_GEMM_CASE_R(Q4, 3)                                                           \
-                default:                                                                             \
-                    switch (nt - t) {                                                                \
-                        KVS_GEMM_CASE_T(Q4, 4, 1)                                                    \
-                        KVS_GEMM_CASE_T(Q4, 4, 2)                                                    \
-                    default:                                                                         \
-                        kvs_avx512_gemm_tile(Q4, 4, 3, nb, wr, w_stride, at, a_stride, yt, y_stride);  \
-                        break;                                                                       \
-                    }                                                                                \
-                    break;                                                                           \
-                }                                                                                    \
-            }                                                                                        \
-        }                                                                                            \
+static inline __attribute__((always_inline)) void kvs_avx512_gemm_rows(int q4, int R, int64_t nb, const char *w,
+                                                                       size_t w_stride, const char *a,
+                                                                       size_t a_stride, int64_t nt, float *y,
+                                                                       size_t y_stride)
+{
+    int64_t t = 0;
+    for (; t + KVS_GEMM_MAX_T <= nt; t += KVS_GEMM_MAX_T)
+        kvs_avx512_gemm_tile(q4, R, KVS_GEMM_MAX_T, nb, w, w_stride, a + (size_t)t * a_stride, a_stride,
+                             y + (size_t)t * y_stride, y_stride);
+    const char *at = a + (size_t)t * a_stride;
+    float *yt = y + (size_t)t * y_stride;
+    switch (nt - t) {
+        KVS_GEMM_T_CASE(1)
+        KVS_GEMM_T_CASE(2)
+        KVS_GEMM_T_CASE(3)
+        KVS_GEMM_T_CASE(4)
+        KVS_GEMM_T_CASE(5)
+        KVS_GEMM_T_CASE(6)
+        KVS_GEMM_T_CASE(7)
+    default: break;
     }
+}
 
-KVS_AVX512_GEMM(kvs_avx512_gemm_q8_0, 0)
-KVS_AVX512_GEMM(kvs_avx512_gemm_q4_0, 1)
+#define KVS_GEMM_R_CASE(R)                                                                           \
+    case R:                                                                                          \
+        if (R < KVS_GEMM_MAX_R)                                                                      \
+            kvs_avx512_gemm_rows(q4, R < KVS_GEMM_MAX_R ? R : 1, nb, wr, w_stride, a, a_stride, nt,   \
+                                 y + r, y_stride);                                                   \
+        break;
+static inline __attribute__((always_inline)) void kvs_avx512_gemm(int q4, int64_t n, const void *w,
+                                                                  size_t w_stride, int64_t nr, const void *a,
+                                                                  size_t a_stride, int64_t nt, float *y,
+                                                                  size_t y_stride)
+{
+    const int64_t nb = n / KVS_QK;
+    int64_t r = 0;
+    for (; r + KVS_GEMM_MAX_R <= nr; r += KVS_GEMM_MAX_R)
+        kvs_avx512_gemm_rows(q4, KVS_GEMM_MAX_R, nb, (const char *)w + (size_t)r * w_stride, w_stride, a,
+                             a_stride, nt, y + r, y_stride);
+    const char *wr = (const char *)w + (size_t)r * w_stride;
+    switch (nr - r) {
+        KVS_GEMM_R_CASE(1)
+        KVS_GEMM_R_CASE(2)
+        KVS_GEMM_R_CASE(3)
+        KVS_GEMM_R_CASE(4)
+        KVS_GEMM_R_CASE(5)
+        KVS_GEMM_R_CASE(6)
+        KVS_GEMM_R_CASE(7)
+    default: break;
+    }
+}
+
+static void kvs_avx512_gemm_q8_0(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a,
+                                 size_t a_stride, int64_t nt, float *y, size_t y_stride)
+{
+    kvs_avx512_gemm(0, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
+}
+
+static void kvs_avx512_gemm_q4_0(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a,
+                                 size_t a_stride, int64_t nt, float *y, size_t y_stride)
+{
+    kvs_avx512_gemm(1, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
+}
 
 /* --- F16 vector updates ------------------------------------------------------ */
 
