@@ -15,7 +15,8 @@
 #include "kernels/kernels_impl.h"
 
 #define KVS_POOL_MAX_THREADS 256
-#define KVS_POOL_SPIN 20000 /* relax iterations before a worker sleeps (~0.1-1 ms) */
+#define KVS_POOL_SPIN 20000 /* default relax iterations before a worker sleeps (~0.1-1 ms) */
+#define KVS_POOL_SPIN_MAX 10000000
 
 struct kvs_pool_worker {
     struct kvs_pool *pool;
@@ -32,6 +33,7 @@ struct kvs_pool {
     _Atomic int done;       /* workers finished with the current run */
     _Atomic int sleepers;   /* workers in (or entering) futex wait */
     _Atomic int stop;
+    int spin;               /* relax iterations before sleeping / yielding (KVASIR_SPIN) */
 };
 
 static inline void kvs_cpu_relax(void)
@@ -62,7 +64,7 @@ static void *kvs_pool_main(void *arg)
         uint32_t g;
         int spins = 0;
         while ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen) {
-            if (spins < KVS_POOL_SPIN) {
+            if (spins < p->spin) {
                 spins++;
                 kvs_cpu_relax();
             } else {
@@ -89,6 +91,19 @@ kvs_err kvs_pool_create(int n_threads, struct kvs_pool **out)
     if (!p)
         return KVS_ERR_NOMEM;
     p->n = 1;
+    /* KVASIR_SPIN=N: relax iterations before a waiting thread sleeps (worker)
+     * or yields (caller). Short spins suit processes that share cores, e.g.
+     * ring stages on one machine: an idle stage then gives its cores up at once. */
+    p->spin = KVS_POOL_SPIN;
+    const char *env = getenv("KVASIR_SPIN");
+    if (env && *env) {
+        char *end;
+        long v = strtol(env, &end, 10);
+        if (*end || v < 0 || v > KVS_POOL_SPIN_MAX)
+            KVS_LOGW("pool: ignoring KVASIR_SPIN=%s (expected 0..%d)", env, KVS_POOL_SPIN_MAX);
+        else
+            p->spin = (int)v;
+    }
     if (n_threads > 1) {
         p->threads = calloc((size_t)n_threads - 1, sizeof *p->threads);
         p->workers = calloc((size_t)n_threads - 1, sizeof *p->workers);
@@ -147,7 +162,7 @@ void kvs_pool_run(struct kvs_pool *p, void (*fn)(void *ctx, int ith, int nth), v
     fn(ctx, 0, p->n);
     int spins = 0;
     while (atomic_load_explicit(&p->done, memory_order_acquire) < p->n - 1) {
-        if (++spins < KVS_POOL_SPIN) {
+        if (++spins < p->spin) {
             kvs_cpu_relax();
         } else {
             sched_yield();

@@ -41,6 +41,7 @@ struct seq {
     void *user;
     int32_t n_reported;
     bool has_next;            /* a token is waiting to be fed */
+    bool decoding;            /* its first token came back: it takes part in decode batches */
     int32_t next_tok, next_pos;
 };
 
@@ -89,6 +90,8 @@ struct kvs_stage {
     /* head: ring probes */
     uint32_t probe_no;
     int64_t probe_sent, probe_back;
+    int64_t progress;             /* head: last TOKEN from the tail (work got round the ring) */
+    bool admit_more;              /* head: more queued requests can start: do not wait in poll */
     uint64_t fwd_us;              /* loop thread: time in kvs_model_forward, microseconds */
     bool out_ever_up;             /* the out link was up before (a later HELLO is a re-join) */
     uint64_t out_dropped;         /* frames dropped while the out link was down */
@@ -159,7 +162,8 @@ static void met_update(struct kvs_stage *s)
     s->met.out_up = s->out_state == OUT_UP;
     int64_t now = kvs_link_now_ms();
     s->met.ring_ready = s->met.in_up && s->met.out_up &&
-                        (!s->is_head || (s->probe_back && now - s->probe_back < s->p.timeout_ms));
+                        (!s->is_head || (s->probe_back && (now - s->probe_back < s->p.timeout_ms ||
+                                                           now - s->progress < s->p.timeout_ms)));
     pthread_mutex_unlock(&s->mu);
     pthread_cond_broadcast(&s->cv);
 }
@@ -581,6 +585,7 @@ static void on_decode(struct kvs_stage *s, const struct kvs_frame *f)
 /* Head: a TOKEN came back from the tail. */
 static void on_token(struct kvs_stage *s, const struct kvs_frame *f)
 {
+    s->progress = kvs_link_now_ms();
     struct seq *q = seq_find(s, f->h.req);
     if (!q) return; /* cancelled or failed meanwhile */
     struct kvs_token_msg tm;
@@ -607,6 +612,7 @@ static void on_token(struct kvs_stage *s, const struct kvs_frame *f)
         return;
     }
     q->has_next = true;
+    q->decoding = true;
     q->next_tok = tm.token;
     q->next_pos = (int32_t)f->h.pos;
 }
@@ -1049,6 +1055,8 @@ static void head_start(struct kvs_stage *s, struct queued *w)
     }
 }
 
+static void head_decode_group(struct kvs_stage *s, int32_t g, int32_t G);
+
 static void free_queued(struct queued *w)
 {
     if (!w) return;
@@ -1106,18 +1114,48 @@ static void head_admit(struct kvs_stage *s)
                                           .message = "the ring is not complete" };
             met_add(s, &s->met.requests_failed, 1);
             w->r.on_event(w->r.user, &ev);
-        } else {
-            head_start(s, w);
+            free_queued(w);
+            continue;
         }
+        /* One start per loop turn: its prompt forward keeps this loop busy,
+         * and frames (probes, tokens) must be read between two starts. */
+        head_start(s, w);
         free_queued(w);
+        pthread_mutex_lock(&s->mu);
+        s->admit_more = s->n_queue > 0 && n_active(s) < s->n_seq;
+        pthread_mutex_unlock(&s->mu);
+        break;
     }
     met_update(s);
 }
 
+/* Decode groups: sequence slot i belongs to group i % decode_groups. A group
+ * is fed as one batch once none of its decoding sequences is still in
+ * flight, so its sequences stay together in one DECODE frame per step (one
+ * forward per stage and step) instead of drifting into single-row batches.
+ * With G groups, G batches circulate at once (pipelining across stages on
+ * separate machines); G = 1 keeps one batch, best when the stages share cores. */
+static bool group_ready(const struct kvs_stage *s, int32_t g, int32_t G)
+{
+    for (int32_t i = g; i < s->n_seq; i += G) {
+        const struct seq *q = &s->seqs[i];
+        if (q->used && q->decoding && !q->has_next) return false;
+    }
+    return true;
+}
+
 static void head_decode(struct kvs_stage *s)
 {
+    int32_t G = s->p.decode_groups > 0 ? s->p.decode_groups : 1;
+    if (G > s->n_seq) G = s->n_seq;
+    for (int32_t g = 0; g < G; g++)
+        if (group_ready(s, g, G)) head_decode_group(s, g, G);
+}
+
+static void head_decode_group(struct kvs_stage *s, int32_t g, int32_t G)
+{
     int32_t n = 0;
-    for (int32_t i = 0; i < s->n_seq; i++) {
+    for (int32_t i = g; i < s->n_seq; i += G) {
         struct seq *q = &s->seqs[i];
         if (!q->used || !q->has_next) continue;
         if (q->next_pos != kvs_model_seq_len(s->m, i) || q->next_pos >= s->n_ctx) {
@@ -1194,8 +1232,11 @@ static void timers(struct kvs_stage *s)
             send_simple(s, KVS_FRAME_KEEPALIVE, 0, 0, 0);
         }
     }
+    /* Probes queue behind the frames every stage is computing: a busy ring
+     * (long prefills, an oversubscribed machine) delays them without being
+     * stalled. Stalled = neither a probe nor a token came back. */
     if (s->is_head && n_active(s) > 0 && s->probe_back && now - s->probe_back > s->p.timeout_ms &&
-        !in_pending(s)) {
+        now - s->progress > s->p.timeout_ms && !in_pending(s)) {
         char msg[128];
         snprintf(msg, sizeof msg, "ring stalled: no probe came back for %d ms", (int)(now - s->probe_back));
         KVS_LOGW("%s", msg);
@@ -1236,7 +1277,8 @@ kvs_err kvs_stage_run(struct kvs_stage *s)
                 pf[np++] = (struct pollfd){ .fd = kvs_link_fd(s->pend[i].l), .events = POLLIN };
             }
         }
-        int r = poll(pf, (nfds_t)np, 100);
+        int r = poll(pf, (nfds_t)np, s->admit_more ? 0 : 100);
+        s->admit_more = false;
         if (r < 0 && errno != EINTR) return KVS_ERR_IO;
         if (r > 0) {
             if (pf[0].revents) {

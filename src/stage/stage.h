@@ -46,6 +46,9 @@ struct kvs_stage_params {
     int32_t step_delay_ms;    /* test hook: sleep before every forward (default 0) */
     const char *fingerprint;  /* expected model fingerprint (hex) or NULL: checked at create */
     int stop_fd;              /* extra fd: readable -> kvs_stage_run returns (e.g. a signalfd); -1 none */
+    int32_t decode_groups;    /* head: decode batches kept in the ring at once (default 1: all sequences
+                               * step together in one batch, best when stages share cores; G > 1
+                               * pipelines G batches, for stages on separate machines) */
 };
 struct kvs_stage_params kvs_stage_default_params(void);
 
