@@ -124,6 +124,9 @@ KVS_AVX512_DOT4_LEGACY(kvs_avx512_dot4_q4_0, kvs_block_q4_0, kvs_avx512_unpack2_
  * last block is a pair whose second half is zero (quants, corrections and
  * scales). */
 
+#ifndef KVS_GEMM_PREFETCH
+#define KVS_GEMM_PREFETCH 512 /* bytes ahead in each weight row; 0: none */
+#endif
 #ifndef KVS_GEMM_MAX_R
 #define KVS_GEMM_MAX_R 4
 #endif
@@ -223,8 +226,13 @@ static inline __attribute__((always_inline)) void kvs_avx512_gemm_pair(int q4, b
     __m512i wq[KVS_GEMM_MAX_R];
     __m512 wd[KVS_GEMM_MAX_R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < R; r++) {
+#if KVS_GEMM_PREFETCH > 0
+        /* weights stream from memory once (decode: bandwidth-bound) */
+        _mm_prefetch(w + (size_t)r * w_stride + KVS_GEMM_PREFETCH, _MM_HINT_T0);
+#endif
         kvs_avx512_wpair(q4, two, w + (size_t)r * w_stride, &wq[r], &wd[r]);
+    }
 #pragma GCC unroll 8
     for (int t = 0; t < T; t++) {
         const char *at = ap + (size_t)t * a_stride;
