@@ -6,6 +6,8 @@
  * per thread. For n_tok > 1 each weight row is loaded once and used for all
  * tokens (4 at a time through the ISA's dot4 kernel when it has one), so a
  * prefill streams the weights once instead of n_tok times. */
+#include <stdatomic.h>
+
 #include "kernels/kernels_impl.h"
 
 size_t kvs_matmul_scratch_bytes(enum kvs_type type, int64_t K, int64_t n_tok)
@@ -30,6 +32,8 @@ struct kvs_mm_job {
     size_t act_row;
     enum kvs_type vt;
     kvs_gemm_fn gemm;  /* non-NULL: act is in the ISA's packed layout */
+    int64_t chunk;     /* gemm: rows per claimed chunk (a multiple of 4) */
+    _Atomic int64_t next; /* gemm: first row not yet claimed */
 };
 
 static void kvs_mm_quant_task(void *ctx, int ith, int nth)
@@ -46,20 +50,28 @@ static void kvs_mm_dot_task(void *ctx, int ith, int nth)
     const struct kvs_mm_job *j = ctx;
     const struct kvs_matrix *W = j->W;
     int64_t rows = j->row_end - j->row_begin;
+    int64_t K = W->ne0, N = rows, T = j->n_tok;
+    if (j->gemm) {
+        /* Chunks of rows claimed from a shared counter: on a shared machine
+         * a thread that loses its core does not hold the others up. */
+        _Atomic int64_t *next = &((struct kvs_mm_job *)ctx)->next;
+        const char *wbase = (const char *)W->data + (size_t)j->row_begin * W->row_bytes;
+        for (;;) {
+            int64_t c0 = atomic_fetch_add_explicit(next, j->chunk, memory_order_relaxed);
+            if (c0 >= rows)
+                break;
+            int64_t c1 = c0 + j->chunk < rows ? c0 + j->chunk : rows;
+            j->gemm(K, wbase + (size_t)c0 * W->row_bytes, W->row_bytes, c1 - c0, j->act, j->act_row, T,
+                    j->y + c0, (size_t)N);
+        }
+        return;
+    }
     int64_t per = (rows + nth - 1) / nth;
-    if (j->gemm)
-        per = (per + 3) & ~(int64_t)3; /* whole 4-row tiles */
     int64_t r0 = (int64_t)ith * per, r1 = r0 + per;
     if (r1 > rows)
         r1 = rows;
     if (r0 >= r1)
         return;
-    int64_t K = W->ne0, N = rows, T = j->n_tok;
-    if (j->gemm) {
-        j->gemm(K, (const char *)W->data + (size_t)(j->row_begin + r0) * W->row_bytes, W->row_bytes, r1 - r0,
-                j->act, j->act_row, T, j->y + r0, (size_t)N);
-        return;
-    }
     kvs_dot_fn dot = j->k->dot[W->type];
     kvs_dot4_fn dot4 = j->k->dot4[W->type];
     const char *wbase = (const char *)W->data + (size_t)j->row_begin * W->row_bytes;
@@ -110,6 +122,12 @@ void kvs_matmul_rows(const struct kvs_kernels *k, struct kvs_pool *pool, const s
             j.gemm = k->gemm[W->type];
             j.act = j.act_w = (void *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
             j.act_row = packed;
+            int nth = kvs_pool_n_threads(pool);
+            int64_t rows = row_end - row_begin;
+            j.chunk = nth > 1 ? (rows / (8 * (int64_t)nth) + 3) & ~(int64_t)3 : rows;
+            if (j.chunk < 4)
+                j.chunk = 4;
+            atomic_init(&j.next, 0);
         }
         if (n_tok == 1)
             kvs_mm_quant_task(&j, 0, 1); /* one short row: cheaper than a pool round trip */
