@@ -715,7 +715,12 @@ static enum MHD_Result handle_metrics(struct kvs_api *a, struct MHD_Connection *
     struct kvs_stage_metrics m;
     kvs_stage_metrics(a->head, &m);
     struct kvs_api_buf b = { .limit = 1u << 20 };
-    if (!kvs_api_metrics_render(&a->met, &m, a->p.stage_index, &b)) {
+    struct kvs_stage_hop hops[64];
+    double rtt_ms = 0;
+    int n_hops = kvs_stage_ring_stats(a->head, hops, 64, &rtt_ms);
+    if (n_hops > 64) n_hops = 64;
+    if (!kvs_api_metrics_render(&a->met, &m, a->p.stage_index, &b) ||
+        !kvs_api_metrics_render_ring(hops, n_hops, rtt_ms, &b)) {
         kvs_api_buf_free(&b);
         return send_error_simple(c, 500, "server_error", NULL, "cannot render metrics");
     }

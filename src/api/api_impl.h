@@ -54,5 +54,10 @@ void kvs_api_hist_add(struct kvs_api_hist *h, double v);
  * stage counters st to b. stage_index labels the per-stage series. */
 bool kvs_api_metrics_render(struct kvs_api_metrics *m, const struct kvs_stage_metrics *st, int32_t stage_index,
                             struct kvs_api_buf *b);
+/* Appends the ring-wide series from the head's last probe trail (n stages in
+ * ring order, entry 0 = the head; see kvs_stage_ring_stats): per-stage compute
+ * time, calls, rows and bytes out, per-hop latency (seconds) and the probe's
+ * round trip. n == 0 appends nothing. */
+bool kvs_api_metrics_render_ring(const struct kvs_stage_hop *hops, int n, double rtt_ms, struct kvs_api_buf *b);
 
 #endif

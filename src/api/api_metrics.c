@@ -158,3 +158,49 @@ bool kvs_api_metrics_render(struct kvs_api_metrics *m, const struct kvs_stage_me
                                   (unsigned long long)st->links_lost);
     return ok;
 }
+
+bool kvs_api_metrics_render_ring(const struct kvs_stage_hop *hops, int n, double rtt_ms, struct kvs_api_buf *b)
+{
+    if (n <= 0) return true;
+    static const struct {
+        const char *name, *type, *help;
+    } series[] = {
+        { "kvasir_ring_stage_forward_seconds_total", "counter", "Compute time of each stage's window (ring probe)." },
+        { "kvasir_ring_stage_forward_calls_total", "counter", "Forward calls on each stage (ring probe)." },
+        { "kvasir_ring_stage_rows_total", "counter", "Token rows (prefill + decode) each stage ran (ring probe)." },
+        { "kvasir_ring_stage_bytes_out_total", "counter", "Bytes each stage sent to its successor (ring probe)." },
+        { "kvasir_ring_hop_latency_seconds", "gauge",
+          "Last probe's latency from a stage's send to its successor's read." },
+    };
+    bool ok = true;
+    for (size_t k = 0; k < sizeof series / sizeof series[0]; k++) {
+        ok = ok && kvs_api_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", series[k].name, series[k].help,
+                                      series[k].name, series[k].type);
+        for (int i = 0; i < n && ok; i++) {
+            const struct kvs_stage_hop *h = &hops[i];
+            char lbl[96];
+            if (k == 4)
+                snprintf(lbl, sizeof lbl, "from=\"%d\",to=\"%d\"", i, (i + 1) % n);
+            else
+                snprintf(lbl, sizeof lbl, "rank=\"%d\",window=\"%d:%d\"", i, (int)h->block_begin,
+                         (int)h->block_end);
+            switch (k) {
+            case 0: ok = kvs_api_buf_printf(b, "%s{%s} %.6f\n", series[k].name, lbl, h->forward_ms / 1000.0); break;
+            case 1:
+                ok = kvs_api_buf_printf(b, "%s{%s} %llu\n", series[k].name, lbl, (unsigned long long)h->forward_calls);
+                break;
+            case 2: ok = kvs_api_buf_printf(b, "%s{%s} %llu\n", series[k].name, lbl, (unsigned long long)h->rows); break;
+            case 3:
+                ok = kvs_api_buf_printf(b, "%s{%s} %llu\n", series[k].name, lbl, (unsigned long long)h->bytes_out);
+                break;
+            default: ok = kvs_api_buf_printf(b, "%s{%s} %.6f\n", series[k].name, lbl, h->hop_ms / 1000.0); break;
+            }
+        }
+    }
+    ok = ok && kvs_api_buf_printf(b,
+                                  "# HELP kvasir_ring_probe_rtt_seconds Round trip of the last ring probe.\n"
+                                  "# TYPE kvasir_ring_probe_rtt_seconds gauge\n"
+                                  "kvasir_ring_probe_rtt_seconds %.6f\n",
+                                  rtt_ms / 1000.0);
+    return ok;
+}

@@ -384,6 +384,38 @@ static void test_buf_limit(void **state)
     kvs_api_buf_free(&b);
 }
 
+
+/* Ring-wide series from a probe trail: two stages, values chosen by hand. */
+static void test_metrics_render_ring(void **state)
+{
+    (void)state;
+    struct kvs_stage_hop hops[2] = {
+        { .block_begin = 0, .block_end = 2, .forward_calls = 5, .forward_ms = 1500.0, .rows = 12,
+          .bytes_out = 4096, .hop_ms = 0.25 },
+        { .block_begin = 2, .block_end = 4, .forward_calls = 5, .forward_ms = 250.0, .rows = 12,
+          .bytes_out = 64, .hop_ms = 0.5 },
+    };
+    struct kvs_api_buf b = { .limit = 1u << 16 };
+    assert_true(kvs_api_metrics_render_ring(hops, 0, 1.0, &b));
+    assert_int_equal(b.len, 0);
+    assert_true(kvs_api_metrics_render_ring(hops, 2, 0.75, &b));
+    const char *want[] = {
+        "kvasir_ring_stage_forward_seconds_total{rank=\"0\",window=\"0:2\"} 1.500000\n",
+        "kvasir_ring_stage_forward_seconds_total{rank=\"1\",window=\"2:4\"} 0.250000\n",
+        "kvasir_ring_stage_forward_calls_total{rank=\"1\",window=\"2:4\"} 5\n",
+        "kvasir_ring_stage_rows_total{rank=\"0\",window=\"0:2\"} 12\n",
+        "kvasir_ring_stage_bytes_out_total{rank=\"0\",window=\"0:2\"} 4096\n",
+        "kvasir_ring_hop_latency_seconds{from=\"0\",to=\"1\"} 0.000250\n",
+        "kvasir_ring_hop_latency_seconds{from=\"1\",to=\"0\"} 0.000500\n",
+        "kvasir_ring_probe_rtt_seconds 0.000750\n",
+        "# TYPE kvasir_ring_hop_latency_seconds gauge\n",
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        if (!strstr(b.p, want[i])) fail_msg("missing: %s\nin:\n%s", want[i], b.p);
+    }
+    kvs_api_buf_free(&b);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -392,7 +424,7 @@ int main(void)
         cmocka_unit_test(test_chat_fields),    cmocka_unit_test(test_error_json),
         cmocka_unit_test(test_response_json),  cmocka_unit_test(test_chunk_json),
         cmocka_unit_test(test_stop_scan),      cmocka_unit_test(test_metrics_render),
-        cmocka_unit_test(test_buf_limit),
+        cmocka_unit_test(test_buf_limit),   cmocka_unit_test(test_metrics_render_ring),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
