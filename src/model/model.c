@@ -461,21 +461,6 @@ static void rope_apply(const struct kvs_model *m, float *x, const float *cs)
     }
 }
 
-/* F32 -> F16 with round-to-nearest-even (gguf-facts §2.2), inline for the
- * attention loop; results in the F16 normal range are converted here, the
- * rest (zero, subnormal, overflow, NaN) by the kernels' reference. */
-static inline uint16_t to_f16(float f)
-{
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    const uint32_t exp = (bits >> 23) & 0xffu;
-    if (exp < 113u || exp > 142u) return kvs_f32_to_f16(f);
-    const uint32_t mant = bits & 0x7fffffu, rem = mant & 0x1fffu;
-    uint32_t h = ((exp - 112u) << 10) | (mant >> 13);
-    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++; /* a carry into the exponent is still RNE */
-    return (uint16_t)(((bits >> 16) & 0x8000u) | h);
-}
-
 static inline float silu(float z) { return z / (1.0f + expf(-z)); }
 
 struct att_ctx {
@@ -512,7 +497,8 @@ static void attention_worker(void *vctx, int ith, int nth)
         const uint16_t *kc = m->kcache + base + (size_t)hk * (size_t)D;
         const uint16_t *vc = m->vcache + base + (size_t)hk * (size_t)D;
         const float *q = m->q + (size_t)t * (size_t)m->q_dim + (size_t)h * (size_t)D;
-        for (int32_t d = 0; d < D; d++) q16[d] = to_f16(q[d]), acc[d] = 0;
+        kvs_quantize_act(m->k, KVS_TYPE_F16, q, q16, D);
+        memset(acc, 0, (size_t)D * sizeof *acc);
         float M = -INFINITY, S = 0.0f;
         for (int32_t j = 0; j <= pos; j++) {
             const uint16_t *kr = kc + (size_t)j * (size_t)m->kv_dim;
@@ -575,10 +561,8 @@ static void attention_block(struct kvs_model *m, const struct kvs_batch *b, int3
         const size_t off = (((size_t)il * (size_t)m->n_seq + (size_t)b->seq[t]) * (size_t)m->n_ctx +
                             (size_t)b->pos[t]) * (size_t)m->kv_dim;
         const float *v = m->kv_v + (size_t)t * (size_t)m->kv_dim;
-        for (int32_t i = 0; i < m->kv_dim; i++) {
-            m->kcache[off + (size_t)i] = to_f16(k[i]);
-            m->vcache[off + (size_t)i] = to_f16(v[i]);
-        }
+        kvs_quantize_act(m->k, KVS_TYPE_F16, k, m->kcache + off, m->kv_dim);
+        kvs_quantize_act(m->k, KVS_TYPE_F16, v, m->vcache + off, m->kv_dim);
     }
     struct att_ctx ac = { m, b, il };
     if (m->n_threads > 1 && (int64_t)n * hp->n_head > 1)
@@ -590,10 +574,29 @@ static void attention_block(struct kvs_model *m, const struct kvs_batch *b, int3
     for (size_t i = 0; i < (size_t)n * (size_t)E; i++) m->x[i] += m->tmp[i];
 }
 
-/* SwiGLU on rows: a = silu(a) * b. */
-static void swiglu(float *a, const float *bb, size_t n)
+/* SwiGLU on rows: a = silu(a) * b, split over the pool in 64-byte aligned
+ * ranges (expf per element is worth the round trip at prefill sizes). */
+struct swiglu_ctx {
+    float *a;
+    const float *b;
+    size_t n;
+};
+
+static void swiglu_worker(void *vctx, int ith, int nth)
 {
-    for (size_t i = 0; i < n; i++) a[i] = silu(a[i]) * bb[i];
+    const struct swiglu_ctx *c = vctx;
+    size_t per = ((c->n + (size_t)nth - 1) / (size_t)nth + 15) & ~(size_t)15;
+    size_t i0 = (size_t)ith * per, i1 = i0 + per < c->n ? i0 + per : c->n;
+    for (size_t i = i0; i < i1; i++) c->a[i] = silu(c->a[i]) * c->b[i];
+}
+
+static void swiglu(struct kvs_model *m, float *a, const float *bb, size_t n)
+{
+    struct swiglu_ctx c = { a, bb, n };
+    if (m->n_threads > 1 && n >= 8192)
+        kvs_pool_run(m->pool, swiglu_worker, &c);
+    else
+        swiglu_worker(&c, 0, 1);
 }
 
 static void ffn_dense(struct kvs_model *m, const struct block_w *w, int32_t n)
@@ -601,7 +604,7 @@ static void ffn_dense(struct kvs_model *m, const struct block_w *w, int32_t n)
     const int64_t F = m->hp.n_ff;
     kvs_matmul(m->k, m->pool, &w->gate, m->xn, n, m->ffa, m->mm_scratch);
     kvs_matmul(m->k, m->pool, &w->up, m->xn, n, m->ffb, m->mm_scratch);
-    swiglu(m->ffa, m->ffb, (size_t)n * (size_t)F);
+    swiglu(m, m->ffa, m->ffb, (size_t)n * (size_t)F);
     kvs_matmul(m->k, m->pool, &w->down, m->ffa, n, m->tmp, m->mm_scratch);
 }
 
@@ -658,7 +661,7 @@ static void ffn_moe(struct kvs_model *m, const struct block_w *w, int32_t n)
         d.data = (const uint8_t *)d.data + (size_t)e * w->down_x_stride;
         kvs_matmul(m->k, m->pool, &g, m->moe_in, cnt, m->ffa, m->mm_scratch);
         kvs_matmul(m->k, m->pool, &u, m->moe_in, cnt, m->ffb, m->mm_scratch);
-        swiglu(m->ffa, m->ffb, (size_t)cnt * (size_t)Fe);
+        swiglu(m, m->ffa, m->ffb, (size_t)cnt * (size_t)Fe);
         kvs_matmul(m->k, m->pool, &d, m->ffa, cnt, m->tmp, m->mm_scratch);
         for (int32_t r = 0; r < cnt; r++) {
             const float wt = m->selw[m->rows[r]];

@@ -348,6 +348,18 @@ static void kvs_avx512_gemm_q4_0(int64_t n, const void *w, size_t w_stride, int6
 
 /* --- F16 vector updates ------------------------------------------------------ */
 
+/* F32 -> F16 rows (round to nearest even), as kvs_ref_quant_f16. */
+static void kvs_avx512_quant_f16(const float *src, void *dst, int64_t n)
+{
+    uint16_t *d = dst;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(d + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    if (i < n)
+        kvs_ref_quant_f16(src + i, d + i, n - i);
+}
+
 static void kvs_avx512_f16_scale(uint16_t *y, float s, int64_t n)
 {
     const __m512 vs = _mm512_set1_ps(s);
@@ -389,6 +401,7 @@ const struct kvs_kernels kvs_kernels_avx512 = {
     .pack_act[KVS_TYPE_Q4_0] = kvs_avx512_pack_q4_0,
     .gemm[KVS_TYPE_Q8_0] = kvs_avx512_gemm_q8_0,
     .gemm[KVS_TYPE_Q4_0] = kvs_avx512_gemm_q4_0,
+    .quant_act[KVS_TYPE_F16] = kvs_avx512_quant_f16,
     .f16_scale = kvs_avx512_f16_scale,
     .f16_mad = kvs_avx512_f16_mad,
 };
