@@ -606,11 +606,16 @@ kvs_err kvs_gguf_open(const char *path, struct kvs_gguf **out, char *errbuf, siz
         return errno == ENOENT ? KVS_ERR_NOT_FOUND : KVS_ERR_IO;
     }
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        int en = errno;
+    int st_rc = fstat(fd, &st);
+    if (st_rc != 0 || !S_ISREG(st.st_mode)) {
+        /* errno is meaningful only when fstat failed: otherwise it is a
+         * leftover from an earlier call ("No such file or directory"). */
+        int en = st_rc != 0 ? errno : 0;
+        const char *what = st_rc == 0 && S_ISDIR(st.st_mode) ? "is a directory, not a GGUF file"
+                                                              : "not a regular file";
         close(fd);
         if (errbuf && errlen)
-            snprintf(errbuf, errlen, "%s: %s", path, en ? strerror(en) : "not a regular file");
+            snprintf(errbuf, errlen, "%s: %s", path, en ? strerror(en) : what);
         return KVS_ERR_IO;
     }
     size_t size = (size_t)st.st_size;

@@ -1,5 +1,6 @@
 /* Reader tests against the shared models (shared/models/README.md gives the
  * hyperparameters checked here; file sizes come from the files themselves). */
+#include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -262,6 +263,21 @@ static void test_open_missing(void **state)
     assert_non_null(strstr(err, "/nonexistent/x.gguf"));
 }
 
+/* A directory is not a GGUF file: the message must say so, not repeat a stale
+ * errno such as "No such file or directory". */
+static void test_open_directory(void **state)
+{
+    (void)state;
+    struct kvs_gguf *g = (struct kvs_gguf *)1;
+    char err[256];
+    errno = ENOENT; /* a leftover from an earlier call */
+    assert_int_equal(kvs_gguf_open("/tmp", &g, err, sizeof err), KVS_ERR_IO);
+    assert_null(g);
+    assert_non_null(strstr(err, "/tmp"));
+    assert_non_null(strstr(err, "directory"));
+    assert_null(strstr(err, "No such file"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -270,6 +286,7 @@ int main(void)
         cmocka_unit_test(test_models),
         cmocka_unit_test(test_tokenizer_vocabs),
         cmocka_unit_test(test_open_missing),
+        cmocka_unit_test(test_open_directory),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
