@@ -113,7 +113,11 @@ int kvs_cli_plan(int argc, char **argv)
     }
     e = model ? kvs_gguf_open(model, &g, err, sizeof err) : kvs_plan_fetch_header(url, &hdr, &g, err, sizeof err);
     if (e) {
-        fprintf(stderr, "kvasir plan: %s: %s (%s)\n", model ? model : url, err, kvs_strerror(e));
+        /* kvs_gguf_open's message names the file already; the header fetch's may not. */
+        if (model)
+            fprintf(stderr, "kvasir plan: %s (%s)\n", err, kvs_strerror(e));
+        else
+            fprintf(stderr, "kvasir plan: %s: %s (%s)\n", url, err, kvs_strerror(e));
         goto done;
     }
     if ((e = kvs_plan_model_from_gguf(g, &m, err, sizeof err))) {

@@ -123,7 +123,8 @@ struct kvs_plan_inventory {
  * the device and field), KVS_ERR_RANGE (too many devices, value out of range). */
 kvs_err kvs_plan_inventory_parse(const char *text, size_t len, struct kvs_plan_inventory *inv, char *errbuf,
                                  size_t errlen);
-/* Reads and parses a file (at most 16 MiB). Errors as above plus KVS_ERR_IO. */
+/* Reads and parses a file (at most 16 MiB). Errors as above plus KVS_ERR_IO. Like the
+ * parse errors, errbuf does not name the path: the caller does. */
 kvs_err kvs_plan_inventory_load(const char *path, struct kvs_plan_inventory *inv, char *errbuf, size_t errlen);
 
 /* --- solving ---------------------------------------------------------------------- */

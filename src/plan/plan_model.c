@@ -186,15 +186,18 @@ kvs_err kvs_plan_model_from_gguf(const struct kvs_gguf *g, struct kvs_plan_model
             m->common_bytes += tn->bytes;
         }
     }
-    if (embd) {
-        m->n_vocab = (uint32_t)embd->ne[1];
-        /* One embedding row per token on the head. */
-        m->head_stream_bytes = embd->ne[1] > 0 ? embd->bytes / (uint64_t)embd->ne[1] : 0;
-        if (!has_output) { /* tied: the tail reads token_embd as its LM head */
-            m->tail_bytes += embd->bytes;
-            m->tail_stream_bytes += embd->bytes;
-            m->tied_bytes = embd->bytes;
-        }
+    if (!embd) { /* every stage ring needs a head: kvasir run/stage refuse such a model too */
+        kvs_plan_seterr(errbuf, errlen, "tensor 'token_embd.weight' is missing: not a runnable model");
+        free(m);
+        return KVS_ERR_NOT_FOUND;
+    }
+    m->n_vocab = (uint32_t)embd->ne[1];
+    /* One embedding row per token on the head. */
+    m->head_stream_bytes = embd->ne[1] > 0 ? embd->bytes / (uint64_t)embd->ne[1] : 0;
+    if (!has_output) { /* tied: the tail reads token_embd as its LM head */
+        m->tail_bytes += embd->bytes;
+        m->tail_stream_bytes += embd->bytes;
+        m->tied_bytes = embd->bytes;
     }
     uint8_t fp[32];
     if (kvs_gguf_fingerprint(g, fp) == KVS_OK)

@@ -23,7 +23,7 @@ kvs_err kvs_plan_read_file(const char *path, size_t max, char **buf, size_t *len
     *len = 0;
     FILE *f = fopen(path, "rb");
     if (!f) {
-        kvs_plan_seterr(errbuf, errlen, "%s: %s", path, strerror(errno));
+        kvs_plan_seterr(errbuf, errlen, "%s", strerror(errno));
         return KVS_ERR_IO;
     }
     kvs_err err = KVS_OK;
@@ -36,7 +36,7 @@ kvs_err kvs_plan_read_file(const char *path, size_t max, char **buf, size_t *len
     for (;;) {
         if (n == cap) {
             if (cap >= max) {
-                kvs_plan_seterr(errbuf, errlen, "%s: larger than %zu bytes", path, max);
+                kvs_plan_seterr(errbuf, errlen, "larger than %zu bytes", max);
                 err = KVS_ERR_RANGE;
                 goto fail;
             }
@@ -53,7 +53,7 @@ kvs_err kvs_plan_read_file(const char *path, size_t max, char **buf, size_t *len
         n += r;
         if (r == 0) {
             if (ferror(f)) {
-                kvs_plan_seterr(errbuf, errlen, "%s: read error", path);
+                kvs_plan_seterr(errbuf, errlen, "read error: %s", strerror(errno));
                 err = KVS_ERR_IO;
                 goto fail;
             }

@@ -241,12 +241,49 @@ static void test_fetch_header(void **state)
     kvs_seed_stop(seed);
 }
 
+/* File errors name no path (the CLI prefixes it once: no "x.json: x.json: ..."),
+ * and a model without tensors is refused rather than planned as 0 bytes. */
+static void test_load_errors_and_empty_model(void **state)
+{
+    (void)state;
+    struct kvs_manifest *mf = calloc(1, sizeof *mf);
+    assert_non_null(mf);
+    g_err[0] = '\0';
+    assert_int_equal(kvs_manifest_load("/nonexistent/ring.json", mf, g_err, sizeof g_err), KVS_ERR_IO);
+    assert_null(strstr(g_err, "/nonexistent"));
+    assert_non_null(strstr(g_err, "No such file"));
+    free(mf);
+    struct kvs_plan_inventory *inv = calloc(1, sizeof *inv);
+    assert_non_null(inv);
+    assert_int_equal(kvs_plan_inventory_load("/nonexistent/dev.json", inv, g_err, sizeof g_err), KVS_ERR_IO);
+    assert_null(strstr(g_err, "/nonexistent"));
+    free(inv);
+
+    const char *shared = getenv("KVASIR_SHARED");
+    char path[1024];
+    snprintf(path, sizeof path, "%s/models/aidreams260K.gguf", shared ? shared : "../shared");
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    static uint8_t buf[1 << 21];
+    size_t n = fread(buf, 1, sizeof buf, f);
+    fclose(f);
+    assert_true(n > 24);
+    memset(buf + 8, 0, 8); /* tensor count 0 */
+    struct kvs_gguf *g = NULL;
+    assert_int_equal(kvs_gguf_parse(buf, n, n, &g, NULL, g_err, sizeof g_err), KVS_OK);
+    struct kvs_plan_model *m = (struct kvs_plan_model *)1;
+    assert_int_equal(kvs_plan_model_from_gguf(g, &m, g_err, sizeof g_err), KVS_ERR_NOT_FOUND);
+    assert_null(m);
+    assert_non_null(strstr(g_err, "token_embd.weight"));
+    kvs_gguf_close(g);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_inventory_ok),       cmocka_unit_test(test_inventory_errors),
         cmocka_unit_test(test_manifest_parse),     cmocka_unit_test(test_profile_qwen3_tied),
-        cmocka_unit_test(test_fetch_header),
+        cmocka_unit_test(test_fetch_header),       cmocka_unit_test(test_load_errors_and_empty_model),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
