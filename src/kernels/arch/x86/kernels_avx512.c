@@ -127,6 +127,9 @@ KVS_AVX512_DOT4_LEGACY(kvs_avx512_dot4_q4_0, kvs_block_q4_0, kvs_avx512_unpack2_
 #ifndef KVS_GEMM_PREFETCH
 #define KVS_GEMM_PREFETCH 512 /* bytes ahead in each weight row; 0: none */
 #endif
+#ifndef KVS_GEMM_PREFETCH_L2
+#define KVS_GEMM_PREFETCH_L2 8192 /* a second, farther prefetch into L2; 0: none */
+#endif
 #ifndef KVS_GEMM_MAX_R
 #define KVS_GEMM_MAX_R 4
 #endif
@@ -230,6 +233,9 @@ static inline __attribute__((always_inline)) void kvs_avx512_gemm_pair(int q4, b
 #if KVS_GEMM_PREFETCH > 0
         /* weights stream from memory once (decode: bandwidth-bound) */
         _mm_prefetch(w + (size_t)r * w_stride + KVS_GEMM_PREFETCH, _MM_HINT_T0);
+#endif
+#if KVS_GEMM_PREFETCH_L2 > 0
+        _mm_prefetch(w + (size_t)r * w_stride + KVS_GEMM_PREFETCH_L2, _MM_HINT_T1);
 #endif
         kvs_avx512_wpair(q4, two, w + (size_t)r * w_stride, &wq[r], &wd[r]);
     }
