@@ -133,7 +133,12 @@ int kvs_cli_plan(int argc, char **argv)
         fprintf(stderr, "kvasir plan: %s: %s\n", kvs_strerror(e), err);
         goto done;
     }
-    if ((e = kvs_plan_manifest_json(m, inv, &t, res, model, url, &json))) {
+    /* The manifest is read by stages started elsewhere (another directory or
+     * machine layout): a relative -m path would resolve against their cwd. */
+    char *abs_model = model ? realpath(model, NULL) : NULL;
+    e = kvs_plan_manifest_json(m, inv, &t, res, abs_model ? abs_model : model, url, &json);
+    free(abs_model);
+    if (e) {
         fprintf(stderr, "kvasir plan: manifest: %s\n", kvs_strerror(e));
         goto done;
     }

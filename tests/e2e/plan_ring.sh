@@ -98,6 +98,13 @@ grep -Eq '^\{"name": "probe", "backend": "cpu", "mem_bytes": [0-9]+, "decode_gbp
 { echo '['; cat "$dir/probe.json"; echo ']'; } >"$dir/probe_inv.json"
 "$KVASIR_BIN" plan -m "$model" --devices "$dir/probe_inv.json" --ctx 128 -o "$dir/one.json" >/dev/null
 
+# A relative -m is written as an absolute model.path: stages read the manifest
+# from other directories.
+rel=$(cd "$dir" && realpath --relative-to=. "$model")
+(cd "$dir" && "$KVASIR_BIN" plan -m "$rel" --devices devices.json --ctx 128 -o rel.json >/dev/null)
+grep -q "\"path\": \"$(realpath "$model")\"" "$dir/rel.json" ||
+    { echo "relative -m not made absolute: $(grep '"path"' "$dir/rel.json")"; exit 1; }
+
 # --url: the header over HTTP ranges from `kvasir seed` gives the same plan
 # (the manifest differs only in model.path / model.url).
 help=$("$KVASIR_BIN" seed --help 2>&1 || true)
