@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli/cli.h"
 #include "common/log.h"
@@ -38,6 +39,14 @@ static bool parse_u64_arg(const char *s, uint64_t *v)
     return true;
 }
 
+/* True when out names the same file as in (also through another path or a
+ * link): writing it would replace the model being read. */
+static bool same_file(const char *in, const char *out)
+{
+    struct stat a, b;
+    return stat(in, &a) == 0 && stat(out, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
 static int cmd_extract(int argc, char **argv)
 {
     const char *in = NULL, *out = NULL, *win = NULL;
@@ -56,6 +65,10 @@ static int cmd_extract(int argc, char **argv)
     uint32_t b, e;
     if (!in || !out || !win || kvs_shard_parse_window(win, &b, &e) != KVS_OK) {
         fprintf(stderr, "kvasir shard extract: need -m FILE, --window BEGIN:END (BEGIN < END) and -o FILE\n");
+        return 2;
+    }
+    if (same_file(in, out)) {
+        fprintf(stderr, "kvasir shard extract: -o %s is the input model itself: refusing to overwrite it\n", out);
         return 2;
     }
     char msg[512] = "";
@@ -86,6 +99,10 @@ static int cmd_index(int argc, char **argv)
     }
     if (!in || !out) {
         fprintf(stderr, "kvasir shard index: need FILE and -o OUT.json\n");
+        return 2;
+    }
+    if (same_file(in, out)) {
+        fprintf(stderr, "kvasir shard index: -o %s is the input model itself: refusing to overwrite it\n", out);
         return 2;
     }
     char msg[512] = "";
