@@ -5,8 +5,10 @@
 # MODEL defaults to ../shared/models/aidreams260K.gguf (a small trained
 # model); any llama/qwen2/qwen3/qwen3moe GGUF works.
 set -euo pipefail
+# A MODEL given on the command line is relative to the caller's directory.
+if [ -n "${1:-}" ] && [ -f "$1" ]; then MODEL=$(realpath "$1"); else MODEL=${1:-}; fi
 cd "$(dirname "$0")/.."
-MODEL=${1:-../shared/models/aidreams260K.gguf}
+MODEL=${MODEL:-../shared/models/aidreams260K.gguf}
 PROMPT=${2:-Once upon a time}
 if [ ! -f "$MODEL" ]; then
   echo "model not found: $MODEL (pass a GGUF path as the first argument)" >&2
@@ -15,7 +17,7 @@ fi
 bash scripts/install-deps.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$(nproc)" --target kvasir
-NBLOCK=$(./build/kvasir gguf info "$MODEL" | sed -n 's/^ *block_count[^0-9]*\([0-9]*\).*/\1/p' | head -1)
+NBLOCK=$(./build/kvasir gguf info "$MODEL" | sed -n 's/^ *[a-z0-9_]*\.block_count = \([0-9]*\).*/\1/p' | head -1)
 RING=4
 if [ -n "$NBLOCK" ] && [ "$NBLOCK" -lt "$RING" ]; then RING=$NBLOCK; fi
 echo "== a ring of $RING stage processes on loopback, model $MODEL" >&2
