@@ -20,6 +20,40 @@ size_t kvs_matmul_scratch_bytes(enum kvs_type type, int64_t K, int64_t n_tok)
     return (plain > packed ? plain : packed) * (size_t)n_tok + (packed ? 64 : 0);
 }
 
+/* GEMM work split: thread i owns the rows [front, back) of range i (a
+ * static, contiguous share, so its weight stream and prefetches run on
+ * without a break) and takes chunks from the front; a thread whose range is
+ * empty steals chunks from the back of the others', so on a shared machine a
+ * thread that loses its core does not hold the matmul up. front and back are
+ * packed in one word (row offsets < 2^31) and claimed with compare-exchange. */
+#define KVS_MM_MAX_RANGES 64
+struct kvs_mm_range {
+    _Alignas(64) _Atomic uint64_t fb; /* front << 32 | back */
+};
+
+static inline bool kvs_mm_claim(struct kvs_mm_range *rg, int64_t chunk, bool from_back, int64_t *c0,
+                                int64_t *c1)
+{
+    uint64_t v = atomic_load_explicit(&rg->fb, memory_order_relaxed);
+    for (;;) {
+        int64_t f = (int64_t)(v >> 32), b = (int64_t)(v & 0xFFFFFFFFu);
+        if (f >= b)
+            return false;
+        uint64_t nv;
+        if (from_back) {
+            *c1 = b;
+            *c0 = b - chunk > f ? b - chunk : f;
+            nv = ((uint64_t)f << 32) | (uint64_t)*c0;
+        } else {
+            *c0 = f;
+            *c1 = f + chunk < b ? f + chunk : b;
+            nv = ((uint64_t)*c1 << 32) | (uint64_t)b;
+        }
+        if (atomic_compare_exchange_weak_explicit(&rg->fb, &v, nv, memory_order_relaxed, memory_order_relaxed))
+            return true;
+    }
+}
+
 struct kvs_mm_job {
     const struct kvs_kernels *k;
     const struct kvs_matrix *W;
@@ -33,7 +67,8 @@ struct kvs_mm_job {
     enum kvs_type vt;
     kvs_gemm_fn gemm;  /* non-NULL: act is in the ISA's packed layout */
     int64_t chunk;     /* gemm: rows per claimed chunk (a multiple of 4) */
-    _Atomic int64_t next; /* gemm: first row not yet claimed */
+    int n_ranges;      /* gemm: home ranges, one per thread (at most KVS_MM_MAX_RANGES) */
+    struct kvs_mm_range *ranges;
 };
 
 static void kvs_mm_quant_task(void *ctx, int ith, int nth)
@@ -52,17 +87,13 @@ static void kvs_mm_dot_task(void *ctx, int ith, int nth)
     int64_t rows = j->row_end - j->row_begin;
     int64_t K = W->ne0, N = rows, T = j->n_tok;
     if (j->gemm) {
-        /* Chunks of rows claimed from a shared counter: on a shared machine
-         * a thread that loses its core does not hold the others up. */
-        _Atomic int64_t *next = &((struct kvs_mm_job *)ctx)->next;
         const char *wbase = (const char *)W->data + (size_t)j->row_begin * W->row_bytes;
-        for (;;) {
-            int64_t c0 = atomic_fetch_add_explicit(next, j->chunk, memory_order_relaxed);
-            if (c0 >= rows)
-                break;
-            int64_t c1 = c0 + j->chunk < rows ? c0 + j->chunk : rows;
-            j->gemm(K, wbase + (size_t)c0 * W->row_bytes, W->row_bytes, c1 - c0, j->act, j->act_row, T,
-                    j->y + c0, (size_t)N);
+        for (int k = 0; k < j->n_ranges; k++) {
+            int own = (ith + k) % j->n_ranges;
+            int64_t c0, c1;
+            while (kvs_mm_claim(&j->ranges[own], j->chunk, own != ith, &c0, &c1))
+                j->gemm(K, wbase + (size_t)c0 * W->row_bytes, W->row_bytes, c1 - c0, j->act, j->act_row, T,
+                        j->y + c0, (size_t)N);
         }
         return;
     }
@@ -106,6 +137,7 @@ void kvs_matmul_rows(const struct kvs_kernels *k, struct kvs_pool *pool, const s
     assert(W->type >= 0 && W->type < KVS_TYPE_COUNT && k->dot[W->type]);
     if (n_tok == 0 || row_end == row_begin)
         return;
+    struct kvs_mm_range ranges[KVS_MM_MAX_RANGES];
     struct kvs_mm_job j = {
         .k = k, .W = W, .row_begin = row_begin, .row_end = row_end,
         .x = x, .n_tok = n_tok, .y = y, .vt = kvs_vec_dot_type(W->type),
@@ -118,16 +150,25 @@ void kvs_matmul_rows(const struct kvs_kernels *k, struct kvs_pool *pool, const s
         j.act = j.act_w = scratch;
         j.act_row = kvs_kernels_row_bytes(j.vt, W->ne0);
         size_t packed = kvs_kernels_pack_row_bytes(W->type, W->ne0);
-        if (packed && k->gemm[W->type] && k->pack_act[W->type]) {
+        if (packed && k->gemm[W->type] && k->pack_act[W->type] && row_end - row_begin < ((int64_t)1 << 31)) {
             j.gemm = k->gemm[W->type];
             j.act = j.act_w = (void *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
             j.act_row = packed;
-            int nth = kvs_pool_n_threads(pool);
             int64_t rows = row_end - row_begin;
-            j.chunk = nth > 1 ? (rows / (8 * (int64_t)nth) + 3) & ~(int64_t)3 : rows;
+            int nr = kvs_pool_n_threads(pool);
+            if (nr > KVS_MM_MAX_RANGES)
+                nr = KVS_MM_MAX_RANGES;
+            j.n_ranges = nr;
+            j.ranges = ranges;
+            j.chunk = nr > 1 ? (rows / (8 * (int64_t)nr) + 3) & ~(int64_t)3 : rows;
             if (j.chunk < 4)
                 j.chunk = 4;
-            atomic_init(&j.next, 0);
+            int64_t per = ((rows + nr - 1) / nr + 3) & ~(int64_t)3;
+            for (int i = 0; i < nr; i++) {
+                int64_t f = (int64_t)i * per < rows ? (int64_t)i * per : rows;
+                int64_t b = f + per < rows ? f + per : rows;
+                atomic_init(&ranges[i].fb, ((uint64_t)f << 32) | (uint64_t)b);
+            }
         }
         if (n_tok == 1)
             kvs_mm_quant_task(&j, 0, 1); /* one short row: cheaper than a pool round trip */
