@@ -1,6 +1,7 @@
 /* kvasir plan: place a model's blocks on an inventory of devices and write
  * the rank manifest (docs/PLAN.md, docs/MANIFEST.md). */
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,14 +14,22 @@ static void plan_usage(FILE *f)
 {
     fprintf(f, "usage: kvasir plan (-m MODEL.gguf | --url URL) --devices devices.json [options] -o ring.json\n"
                "\n"
+               "Places the model's blocks on the devices as a ring of contiguous windows (fastest predicted\n"
+               "decode that fits in memory) and writes the rank manifest for `kvasir stage --manifest`.\n"
+               "\n"
                "  -m, --model PATH     GGUF model (only its header is read)\n"
                "  --url URL            GGUF over HTTP (header only, range requests)\n"
                "  --devices PATH       device inventory JSON (docs/PLAN.md)\n"
-               "  --ctx N              context tokens per sequence (default 4096)\n"
+               "  --ctx N              context tokens per sequence (default min(model's, 4096))\n"
                "  --seqs S             concurrent sequences (default 1)\n"
                "  --boundary f16|f32   boundary precision between stages (default f16)\n"
                "  --block-overhead-ms X  fixed cost per block per token (default 0.02)\n"
-               "  -o, --out PATH       manifest to write (default: print it to stdout)\n");
+               "  -o, --out PATH       manifest to write (default: print it to stdout)\n"
+               "\n"
+               "A device entry of the inventory: run `kvasir bench --probe --name NAME` on the device; it\n"
+               "prints one JSON object (measured decode_gbps, mem_bytes). Collect them in an array:\n"
+               "  [{\"name\": \"a\", \"mem_bytes\": 8000000000, \"decode_gbps\": 20, \"addr\": \"10.0.0.5:7001\"}, ...]\n"
+               "Formats and the cost model: docs/PLAN.md (inventory), docs/MANIFEST.md (manifest).\n");
 }
 
 static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
@@ -38,6 +47,7 @@ int kvs_cli_plan(int argc, char **argv)
 {
     const char *model = NULL, *url = NULL, *devices = NULL, *outp = NULL;
     struct kvs_plan_targets t = kvs_plan_default_targets();
+    bool ctx_given = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -64,6 +74,7 @@ int kvs_cli_plan(int argc, char **argv)
                 fprintf(stderr, "kvasir plan: --ctx must be 1..16777216\n");
                 return 2;
             }
+            ctx_given = true;
         } else if (!strcmp(a, "--seqs")) {
             if (parse_u32(v, 1, 4096, &t.seqs)) {
                 fprintf(stderr, "kvasir plan: --seqs must be 1..4096\n");
@@ -124,6 +135,8 @@ int kvs_cli_plan(int argc, char **argv)
         fprintf(stderr, "kvasir plan: model: %s (%s)\n", err, kvs_strerror(e));
         goto done;
     }
+    if (!ctx_given) /* like run/serve/stage: never plan KV for more than the model's context */
+        t.ctx = kvs_plan_default_ctx(m);
     if ((e = kvs_plan_inventory_load(devices, inv, err, sizeof err))) {
         fprintf(stderr, "kvasir plan: %s: %s (%s)\n", devices, err, kvs_strerror(e));
         rc = e == KVS_ERR_IO ? 1 : 2;
@@ -162,8 +175,10 @@ int kvs_cli_plan(int argc, char **argv)
         if (!used)
             printf("excluded: %s\n", inv->devices[i].name);
     }
-    printf("predicted: %.3f ms/token, %.2f tokens/s (1 sequence), %.2f tokens/s (%u sequences)%s\n", res->token_ms,
-           res->decode_tps_1, res->decode_tps_seqs, res->seqs, res->exhaustive ? "" : " [heuristic order]");
+    printf("predicted: %.3f ms/token, %.2f tokens/s (1 sequence)", res->token_ms, res->decode_tps_1);
+    if (res->seqs > 1) /* with one sequence the pipelined figure is the same line again */
+        printf(", %.2f tokens/s (%u sequences)", res->decode_tps_seqs, res->seqs);
+    printf("%s\n", res->exhaustive ? "" : " [heuristic order]");
     if (outp) {
         FILE *f = fopen(outp, "w");
         if (!f || fputs(json, f) == EOF || fputc('\n', f) == EOF) {

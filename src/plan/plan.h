@@ -67,6 +67,7 @@ struct kvs_plan_model {
     uint32_t n_embd;            /* boundary width */
     uint32_t n_vocab;           /* logits width (tail buffer) */
     char fingerprint[65];       /* lower-case hex, or "" if unknown */
+    uint32_t ctx_train;         /* `{arch}.context_length`, 0 if absent */
 };
 
 /* Builds a profile from a parsed GGUF (header only is enough: no tensor data
@@ -142,6 +143,10 @@ struct kvs_plan_targets {
 /* ctx 4096, seqs 1, f16 boundary, ubatch 512, 0.02 ms per block, token 4 bytes,
  * exhaustive_limit 2e8. */
 struct kvs_plan_targets kvs_plan_default_targets(void);
+
+/* The default context of a plan, as for `kvasir run` / `serve` / `stage`:
+ * min(m->ctx_train, 4096), or 4096 when the model does not say (ctx_train 0). */
+uint32_t kvs_plan_default_ctx(const struct kvs_plan_model *m);
 
 /* Work-buffer bytes a stage needs besides weights and KV (per device):
  * ubatch * n_embd * 4 bytes * 8 (activations, F32), plus on the tail
@@ -223,14 +228,20 @@ struct kvs_manifest {
     char model_url[1024];       /* "" if null */
     char fingerprint[65];       /* "" if absent */
     uint32_t n_block;
+    uint32_t ctx;               /* targets.ctx (1..16777216), 0 if "targets" is absent */
+    uint32_t seqs;              /* targets.seqs (1..4096), 0 if absent */
+    uint32_t boundary_bytes;    /* targets.boundary: 2 ("f16") or 4 ("f32"), 0 if absent */
     size_t n_ranks;
     struct kvs_manifest_rank ranks[KVS_PLAN_MAX_DEVICES];
 };
 
 /* Parses and validates a manifest: version 1, ranks numbered 0..n-1 in
- * order, windows contiguous and covering [0, n_block). Errors: KVS_ERR_FORMAT
- * (message names the field), KVS_ERR_UNSUPPORTED (other version),
- * KVS_ERR_RANGE. */
+ * order, windows contiguous and covering [0, n_block), each rank's next equal
+ * to the following rank's listen (the last rank's to rank 0's), and, when
+ * "targets" is present, ctx in 1..16777216, seqs in 1..4096 and boundary
+ * "f16" or "f32". Errors: KVS_ERR_FORMAT (message names the field),
+ * KVS_ERR_UNSUPPORTED (other version), KVS_ERR_RANGE (windows, targets out of
+ * range). */
 kvs_err kvs_manifest_parse(const char *text, size_t len, struct kvs_manifest *mf, char *errbuf, size_t errlen);
 kvs_err kvs_manifest_load(const char *path, struct kvs_manifest *mf, char *errbuf, size_t errlen);
 

@@ -373,6 +373,33 @@ kvs_err kvs_manifest_parse(const char *text, size_t len, struct kvs_manifest *mf
         kvs_plan_seterr(errbuf, errlen, "manifest: \"model\" path/url/fingerprint must be strings or null");
         goto out;
     }
+    json_t *targ = json_object_get(root, "targets");
+    if (targ && !json_is_null(targ)) {
+        json_t *ctx = json_object_get(targ, "ctx"), *seqs = json_object_get(targ, "seqs");
+        json_t *bnd = json_object_get(targ, "boundary");
+        if (!json_is_object(targ)) {
+            kvs_plan_seterr(errbuf, errlen, "manifest: \"targets\" must be an object");
+            goto out;
+        }
+        /* The bounds of `kvasir plan --ctx / --seqs`. */
+        if (!json_is_integer(ctx) || json_integer_value(ctx) < 1 || json_integer_value(ctx) > (1 << 24)) {
+            kvs_plan_seterr(errbuf, errlen, "manifest: targets.ctx must be an integer in 1..%d", 1 << 24);
+            err = json_is_integer(ctx) ? KVS_ERR_RANGE : KVS_ERR_FORMAT;
+            goto out;
+        }
+        if (!json_is_integer(seqs) || json_integer_value(seqs) < 1 || json_integer_value(seqs) > 4096) {
+            kvs_plan_seterr(errbuf, errlen, "manifest: targets.seqs must be an integer in 1..4096");
+            err = json_is_integer(seqs) ? KVS_ERR_RANGE : KVS_ERR_FORMAT;
+            goto out;
+        }
+        if (!json_is_string(bnd) || (strcmp(json_string_value(bnd), "f16") && strcmp(json_string_value(bnd), "f32"))) {
+            kvs_plan_seterr(errbuf, errlen, "manifest: targets.boundary must be \"f16\" or \"f32\"");
+            goto out;
+        }
+        mf->ctx = (uint32_t)json_integer_value(ctx);
+        mf->seqs = (uint32_t)json_integer_value(seqs);
+        mf->boundary_bytes = strcmp(json_string_value(bnd), "f32") ? 2 : 4;
+    }
     json_t *ranks = json_object_get(root, "ranks");
     if (!json_is_array(ranks) || json_array_size(ranks) == 0 || json_array_size(ranks) > KVS_PLAN_MAX_DEVICES) {
         kvs_plan_seterr(errbuf, errlen, "manifest: \"ranks\" must be an array of 1..%d ranks", KVS_PLAN_MAX_DEVICES);
@@ -430,6 +457,20 @@ kvs_err kvs_manifest_parse(const char *text, size_t len, struct kvs_manifest *mf
                         mf->n_block);
         err = KVS_ERR_RANGE;
         goto out;
+    }
+    /* The ring must close: each rank connects to the listen of the one after
+     * it, the last to rank 0 (compared as written, like the planner writes them). */
+    for (size_t i = 0; i < mf->n_ranks; i++) {
+        size_t j = (i + 1) % mf->n_ranks;
+        if (strcmp(mf->ranks[i].next, mf->ranks[j].listen)) {
+            kvs_plan_seterr(errbuf, errlen,
+                            "manifest: ranks[%zu].next is \"%s\" but ranks[%zu].listen is \"%s\" (%s): the ring "
+                            "does not close",
+                            i, mf->ranks[i].next, j, mf->ranks[j].listen,
+                            j ? "each rank's next must be the following rank's listen"
+                              : "the last rank's next must be rank 0's listen");
+            goto out;
+        }
     }
     err = KVS_OK;
 out:

@@ -108,6 +108,10 @@ kvs_err kvs_plan_model_from_gguf(const struct kvs_gguf *g, struct kvs_plan_model
     e = get_u32_arch(g, arch, alen, "expert_used_count", &n_expert_used, false, errbuf, errlen);
     if (e && e != KVS_ERR_NOT_FOUND)
         return e;
+    uint32_t ctx_train = 0;
+    e = get_u32_arch(g, arch, alen, "context_length", &ctx_train, false, errbuf, errlen);
+    if (e && e != KVS_ERR_NOT_FOUND)
+        return e;
     uint32_t dflt_hd = n_head ? n_embd / n_head : 0;
     e = get_u32_arch(g, arch, alen, "attention.key_length", &kl, false, errbuf, errlen);
     if (e == KVS_ERR_NOT_FOUND)
@@ -133,6 +137,7 @@ kvs_err kvs_plan_model_from_gguf(const struct kvs_gguf *g, struct kvs_plan_model
         return KVS_ERR_NOMEM;
     m->n_block = n_layer - nextn;
     m->n_embd = n_embd;
+    m->ctx_train = ctx_train;
 
     char kvkey[160];
     if (!arch_key(kvkey, sizeof kvkey, arch, alen, "attention.head_count_kv")) {

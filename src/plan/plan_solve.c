@@ -40,6 +40,12 @@ struct kvs_plan_targets kvs_plan_default_targets(void)
     return t;
 }
 
+uint32_t kvs_plan_default_ctx(const struct kvs_plan_model *m)
+{
+    const uint32_t cap = kvs_plan_default_targets().ctx;
+    return m->ctx_train && m->ctx_train < cap ? m->ctx_train : cap;
+}
+
 const char *kvs_plan_backend_name(enum kvs_plan_backend b)
 {
     static const char *const names[KVS_PLAN_BACKEND_COUNT_] = { "cpu", "cuda", "metal", "vulkan", "opencl",

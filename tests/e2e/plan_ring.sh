@@ -47,8 +47,23 @@ dev() { # name gbps port
     echo ']}'
 } >"$dir/devices.json"
 
-out=$("$KVASIR_BIN" plan -m "$model" --devices "$dir/devices.json" --ctx 128 -o "$dir/ring.json")
+# No --ctx: the default is min(context_length 128, 4096) = 128 (it was 4096, and
+# these devices hold one block only at ctx 128: 1279488 bytes vs 2295296 at 4096).
+out=$("$KVASIR_BIN" plan -m "$model" --devices "$dir/devices.json" -o "$dir/ring.json")
 echo "$out"
+echo "$out" | grep -q '^model: .* ctx 128  seqs 1 ' || { echo "default ctx is not the model's 128"; exit 1; }
+case "$out" in *"sequences)"*) echo "one sequence printed as plural: $out"; exit 1 ;; esac
+echo "$out" | grep -q 'tokens/s (1 sequence)' || { echo "no one-sequence figure"; exit 1; }
+set +e
+"$KVASIR_BIN" plan -m "$model" --devices "$dir/devices.json" --ctx 4096 -o "$dir/x.json" 2>"$dir/err"; rc=$?
+set -e
+[ "$rc" = 1 ] || { echo "--ctx 4096 should not fit these devices: rc $rc"; exit 1; }
+"$KVASIR_BIN" plan -m "$model" --devices "$dir/devices.json" --seqs 2 -o "$dir/x2.json" | grep -q '(2 sequences)' ||
+    { echo "no 2-sequence figure"; exit 1; }
+help=$("$KVASIR_BIN" plan --help)
+for w in 'kvasir bench --probe' 'docs/PLAN.md' "min(model's, 4096)"; do
+    case "$help" in *"$w"*) ;; *) echo "plan --help does not mention $w"; exit 1 ;; esac
+done
 m=$(tr -d ' \n' <"$dir/ring.json")
 case "$m" in '{"kvasir_manifest":1,'*) ;; *) echo "manifest does not start with the version"; exit 1 ;; esac
 for w in '"window":[0,1]' '"window":[1,2]' '"window":[2,3]' '"window":[3,4]' '"n_block":4' \

@@ -158,6 +158,148 @@ static void test_manifest_parse(void **state)
     free(mf);
 }
 
+/* Regression: the reader accepted targets.ctx 0 or 1e9, boundary "f8", and a
+ * ring that does not close (a rank's next not the following rank's listen,
+ * the last rank's next not rank 0's listen). Each case names the field. */
+#define MF_HEAD "{\"kvasir_manifest\": 1, \"model\": {\"path\": \"m.gguf\", \"n_block\": 4}, "
+#define MF_TARGETS(ctx, seqs, bnd) "\"targets\": {\"ctx\": " ctx ", \"seqs\": " seqs ", \"boundary\": " bnd "}, "
+#define MF_RANKS(n0, n1, n2) \
+    "\"ranks\": [" \
+    "{\"rank\": 0, \"window\": [0, 1], \"listen\": \"127.0.0.1:7001\", \"next\": \"" n0 "\"}," \
+    "{\"rank\": 1, \"window\": [1, 3], \"listen\": \"127.0.0.1:7002\", \"next\": \"" n1 "\"}," \
+    "{\"rank\": 2, \"window\": [3, 4], \"listen\": \"127.0.0.1:7003\", \"next\": \"" n2 "\"}]}"
+#define MF_RING MF_RANKS("127.0.0.1:7002", "127.0.0.1:7003", "127.0.0.1:7001")
+
+static void test_manifest_strict(void **state)
+{
+    (void)state;
+    struct kvs_manifest *mf = malloc(sizeof *mf);
+    assert_non_null(mf);
+    /* The good 3-rank ring, with and without targets. */
+    const char *ok = MF_HEAD MF_TARGETS("128", "2", "\"f32\"") MF_RING;
+    assert_int_equal(kvs_manifest_parse(ok, strlen(ok), mf, g_err, sizeof g_err), KVS_OK);
+    assert_int_equal(mf->n_ranks, 3);
+    assert_int_equal(mf->ctx, 128);
+    assert_int_equal(mf->seqs, 2);
+    assert_int_equal(mf->boundary_bytes, 4);
+    assert_string_equal(mf->ranks[2].next, "127.0.0.1:7001");
+    const char *edges = MF_HEAD MF_TARGETS("16777216", "4096", "\"f16\"") MF_RING;
+    assert_int_equal(kvs_manifest_parse(edges, strlen(edges), mf, g_err, sizeof g_err), KVS_OK);
+    assert_int_equal(mf->ctx, 16777216);
+    assert_int_equal(mf->seqs, 4096);
+    assert_int_equal(mf->boundary_bytes, 2);
+    const char *bare = MF_HEAD MF_RING;
+    assert_int_equal(kvs_manifest_parse(bare, strlen(bare), mf, g_err, sizeof g_err), KVS_OK);
+    assert_int_equal(mf->ctx, 0);
+    assert_int_equal(mf->boundary_bytes, 0);
+    /* One rank: its next is its own listen. */
+    const char *one = MF_HEAD "\"ranks\": [{\"rank\": 0, \"window\": [0, 4], \"listen\": \"h:1\", \"next\": \"h:1\"}]}";
+    assert_int_equal(kvs_manifest_parse(one, strlen(one), mf, g_err, sizeof g_err), KVS_OK);
+
+    static const struct {
+        const char *doc;
+        kvs_err err;
+        const char *needle;
+    } bad[] = {
+        { MF_HEAD MF_TARGETS("0", "1", "\"f16\"") MF_RING, KVS_ERR_RANGE, "targets.ctx" },
+        { MF_HEAD MF_TARGETS("1e9", "1", "\"f16\"") MF_RING, KVS_ERR_FORMAT, "targets.ctx" },
+        { MF_HEAD MF_TARGETS("1000000000", "1", "\"f16\"") MF_RING, KVS_ERR_RANGE, "targets.ctx" },
+        { MF_HEAD MF_TARGETS("16777217", "1", "\"f16\"") MF_RING, KVS_ERR_RANGE, "targets.ctx" },
+        { MF_HEAD MF_TARGETS("-5", "1", "\"f16\"") MF_RING, KVS_ERR_RANGE, "targets.ctx" },
+        { MF_HEAD MF_TARGETS("\"128\"", "1", "\"f16\"") MF_RING, KVS_ERR_FORMAT, "targets.ctx" },
+        { MF_HEAD "\"targets\": {\"seqs\": 1, \"boundary\": \"f16\"}, " MF_RING, KVS_ERR_FORMAT, "targets.ctx" },
+        { MF_HEAD MF_TARGETS("128", "0", "\"f16\"") MF_RING, KVS_ERR_RANGE, "targets.seqs" },
+        { MF_HEAD MF_TARGETS("128", "4097", "\"f16\"") MF_RING, KVS_ERR_RANGE, "targets.seqs" },
+        { MF_HEAD MF_TARGETS("128", "1", "\"f8\"") MF_RING, KVS_ERR_FORMAT, "targets.boundary" },
+        { MF_HEAD MF_TARGETS("128", "1", "\"F16\"") MF_RING, KVS_ERR_FORMAT, "targets.boundary" },
+        { MF_HEAD MF_TARGETS("128", "1", "2") MF_RING, KVS_ERR_FORMAT, "targets.boundary" },
+        { MF_HEAD "\"targets\": [128], " MF_RING, KVS_ERR_FORMAT, "\"targets\"" },
+        /* the last rank's next is not rank 0's listen */
+        { MF_HEAD MF_RANKS("127.0.0.1:7002", "127.0.0.1:7003", "127.0.0.1:7009"), KVS_ERR_FORMAT,
+          "ranks[2].next is \"127.0.0.1:7009\" but ranks[0].listen is \"127.0.0.1:7001\"" },
+        /* the tail points at itself */
+        { MF_HEAD MF_RANKS("127.0.0.1:7002", "127.0.0.1:7003", "127.0.0.1:7003"), KVS_ERR_FORMAT,
+          "rank 0's listen" },
+        /* a middle rank skips its successor (the ring 0 -> 1 -> 0 leaves rank 2 out) */
+        { MF_HEAD MF_RANKS("127.0.0.1:7002", "127.0.0.1:7001", "127.0.0.1:7001"), KVS_ERR_FORMAT,
+          "ranks[1].next is \"127.0.0.1:7001\" but ranks[2].listen is \"127.0.0.1:7003\"" },
+        /* rank 0 points at rank 2 */
+        { MF_HEAD MF_RANKS("127.0.0.1:7003", "127.0.0.1:7003", "127.0.0.1:7001"), KVS_ERR_FORMAT,
+          "following rank's listen" },
+        /* one rank whose next is elsewhere */
+        { MF_HEAD "\"ranks\": [{\"rank\": 0, \"window\": [0, 4], \"listen\": \"h:1\", \"next\": \"h:2\"}]}",
+          KVS_ERR_FORMAT, "ranks[0].next" },
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        g_err[0] = '\0';
+        kvs_err e = kvs_manifest_parse(bad[i].doc, strlen(bad[i].doc), mf, g_err, sizeof g_err);
+        if (e != bad[i].err || !strstr(g_err, bad[i].needle))
+            fail_msg("case %zu: %s (%s), wanted %s naming '%s'", i, kvs_strerror(e), g_err,
+                     kvs_strerror(bad[i].err), bad[i].needle);
+        assert_int_equal(mf->n_ranks, 0);
+    }
+    free(mf);
+}
+
+/* Regression: `kvasir plan` planned ctx 4096 for aidreams260K whose
+ * context_length is 128. By hand (tests/e2e/plan_ring.sh): a middle block
+ * needs 198144 weights + 256 B/token KV * ctx + 1048576 buffers: 1279488 at
+ * ctx 128, 198144 + 1048576 + 1048576 = 2295296 at ctx 4096. Four devices of
+ * 1450000 bytes fit at 128 (one block each), not at 4096. */
+static void test_default_ctx_from_model(void **state)
+{
+    (void)state;
+    const char *shared = getenv("KVASIR_SHARED");
+    char path[1024];
+    snprintf(path, sizeof path, "%s/models/aidreams260K.gguf", shared ? shared : "../shared");
+    struct kvs_gguf *g = NULL;
+    assert_int_equal(kvs_gguf_open(path, &g, g_err, sizeof g_err), KVS_OK);
+    struct kvs_plan_model *m = NULL;
+    assert_int_equal(kvs_plan_model_from_gguf(g, &m, g_err, sizeof g_err), KVS_OK);
+    assert_int_equal(m->ctx_train, 128);
+    assert_int_equal(kvs_plan_default_ctx(m), 128);
+
+    struct kvs_plan_inventory *inv = malloc(sizeof *inv);
+    struct kvs_plan_result *res = malloc(sizeof *res);
+    assert_non_null(inv);
+    assert_non_null(res);
+    const char *doc = "[{\"name\": \"a\", \"mem_bytes\": 1450000, \"decode_gbps\": 20},"
+                      " {\"name\": \"b\", \"mem_bytes\": 1450000, \"decode_gbps\": 10},"
+                      " {\"name\": \"c\", \"mem_bytes\": 1450000, \"decode_gbps\": 5},"
+                      " {\"name\": \"d\", \"mem_bytes\": 1450000, \"decode_gbps\": 2}]";
+    assert_int_equal(inv_parse(doc, inv), KVS_OK);
+    struct kvs_plan_targets t = kvs_plan_default_targets();
+    t.ctx = kvs_plan_default_ctx(m);
+    assert_int_equal(kvs_plan_window_mem(m, &t, 1, 2), 1279488);
+    kvs_err e = kvs_plan_solve(m, inv, &t, res, g_err, sizeof g_err);
+    if (e)
+        fail_msg("default ctx: %s (%s)", kvs_strerror(e), g_err);
+    assert_int_equal(res->n_ranks, 4);
+    for (size_t r = 0; r < 4; r++) {
+        assert_int_equal(res->ranks[r].begin, r);
+        assert_int_equal(res->ranks[r].end, r + 1);
+        assert_int_equal(res->ranks[r].kv_bytes, 256 * 128);
+    }
+    /* --ctx 4096 (the old default) does not fit. */
+    t.ctx = 4096;
+    assert_int_equal(kvs_plan_window_mem(m, &t, 1, 2), 2295296);
+    assert_int_equal(kvs_plan_solve(m, inv, &t, res, g_err, sizeof g_err), KVS_ERR_INFEASIBLE);
+
+    /* Caps: a long-context model gets 4096, a model that does not say gets 4096. */
+    m->ctx_train = 32768;
+    assert_int_equal(kvs_plan_default_ctx(m), 4096);
+    m->ctx_train = 4096;
+    assert_int_equal(kvs_plan_default_ctx(m), 4096);
+    m->ctx_train = 4095;
+    assert_int_equal(kvs_plan_default_ctx(m), 4095);
+    m->ctx_train = 0;
+    assert_int_equal(kvs_plan_default_ctx(m), 4096);
+    free(inv);
+    free(res);
+    free(m);
+    kvs_gguf_close(g);
+}
+
 /* Profile of a real file: qwen3-q8_0.gguf (models/README.md: 4 blocks,
  * n_embd 128, 4 heads of 64, 2 KV heads, FFN 384, tied output, Q8_0). */
 static void test_profile_qwen3_tied(void **state)
@@ -284,6 +426,7 @@ int main(void)
         cmocka_unit_test(test_inventory_ok),       cmocka_unit_test(test_inventory_errors),
         cmocka_unit_test(test_manifest_parse),     cmocka_unit_test(test_profile_qwen3_tied),
         cmocka_unit_test(test_fetch_header),       cmocka_unit_test(test_load_errors_and_empty_model),
+        cmocka_unit_test(test_manifest_strict),    cmocka_unit_test(test_default_ctx_from_model),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
