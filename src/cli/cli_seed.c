@@ -13,6 +13,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: kvasir seed DIR --port P [--bind 127.0.0.1] [--port-file FILE] [--no-ranges]\n"
                "Serves DIR's .gguf (and .json index) files over HTTP with single byte ranges.\n"
+               "Only regular files that resolve inside DIR are served (a symlink out of DIR is not).\n"
                "GET /models lists {name, size, fingerprint, etag}; GET /stats gives bytes_served.\n"
                "--port 0 picks a free port; --port-file writes the bound port there.\n"
                "--no-ranges (tests) ignores Range headers. Stops on SIGINT/SIGTERM.\n");

@@ -26,6 +26,7 @@
 struct kvs_seed {
     struct MHD_Daemon *daemon;
     char *dir;
+    char *realdir; /* realpath(dir): served files must resolve inside it */
     bool no_ranges;
     uint16_t port;
     _Atomic uint64_t bytes_served;
@@ -74,7 +75,9 @@ static void body_free(void *cls)
     free(b);
 }
 
-/* Parses one decimal u64 (< 2^62) at *p, advancing; false on none/overflow. */
+/* Parses one decimal number at *p, advancing past all its digits; a value
+ * above 2^62 saturates to UINT64_MAX (beyond any file: the caller treats it as
+ * "past the end"). false if there is no digit. */
 static bool parse_u64(const char **p, uint64_t *v)
 {
     const char *s = *p;
@@ -82,9 +85,8 @@ static bool parse_u64(const char **p, uint64_t *v)
     if (*s < '0' || *s > '9')
         return false;
     while (*s >= '0' && *s <= '9') {
-        if (x > (UINT64_C(1) << 62) / 10)
-            return false;
-        x = x * 10 + (uint64_t)(*s - '0');
+        if (x != UINT64_MAX)
+            x = x > (UINT64_C(1) << 62) / 10 ? UINT64_MAX : x * 10 + (uint64_t)(*s - '0');
         s++;
     }
     *p = s;
@@ -92,46 +94,91 @@ static bool parse_u64(const char **p, uint64_t *v)
     return true;
 }
 
-/* Single-range parser. Returns 1 and [*a, *b] (inclusive) if satisfiable, 0
- * otherwise (malformed, multiple ranges, or outside the file: all 416). */
-static int parse_range(const char *h, uint64_t size, uint64_t *a, uint64_t *b)
+static const char *skip_ows(const char *h)
 {
-    while (*h == ' ')
+    while (*h == ' ' || *h == '\t')
         h++;
-    if (strncasecmp(h, "bytes=", 6) != 0)
-        return 0;
-    h += 6;
-    while (*h == ' ')
-        h++;
+    return h;
+}
+
+/* What to do with a Range header (RFC 9110 §14.2). */
+enum seed_range {
+    SEED_RANGE_IGNORE, /* another unit than bytes, or an invalid ranges-specifier: 200 full */
+    SEED_RANGE_ONE,    /* one satisfiable byte range [*a, *b]: 206 */
+    SEED_RANGE_UNSAT,  /* valid but unsatisfiable (nothing overlaps the file): 416 */
+    SEED_RANGE_MULTI,  /* valid, more than one range: refused with 416 (docs/FORMATS.md) */
+};
+
+/* One range-spec at *h (first-pos "-" [last-pos] / "-" suffix-length),
+ * advancing. Returns false if invalid (then the whole header is ignored);
+ * *sat tells if it overlaps a file of size bytes, with [*a, *b] clamped. */
+static bool parse_spec(const char **hp, uint64_t size, bool *sat, uint64_t *a, uint64_t *b)
+{
+    const char *h = *hp;
     uint64_t first = 0, last = 0;
-    if (*h == '-') { /* suffix: the last N bytes */
+    *sat = false;
+    if (*h == '-') { /* suffix: the last N bytes; N = 0 is unsatisfiable */
         h++;
-        if (!parse_u64(&h, &last) || last == 0 || size == 0)
-            return 0;
-        first = last >= size ? 0 : size - last;
-        last = size - 1;
+        if (!parse_u64(&h, &last))
+            return false;
+        if (last > 0 && size > 0) {
+            *sat = true;
+            *a = last >= size ? 0 : size - last;
+            *b = size - 1;
+        }
     } else {
         if (!parse_u64(&h, &first) || *h != '-')
-            return 0;
+            return false;
         h++;
         if (*h >= '0' && *h <= '9') {
-            if (!parse_u64(&h, &last) || last < first)
-                return 0;
+            if (!parse_u64(&h, &last) || last < first) /* last < first: invalid, not unsatisfiable */
+                return false;
         } else {
             last = UINT64_MAX;
         }
-        if (first >= size)
-            return 0;
-        if (last >= size)
-            last = size - 1;
+        if (first < size) {
+            *sat = true;
+            *a = first;
+            *b = last >= size ? size - 1 : last;
+        }
     }
-    while (*h == ' ')
-        h++;
-    if (*h != '\0') /* a second range (",") or junk */
-        return 0;
-    *a = first;
-    *b = last;
-    return 1;
+    *hp = h;
+    return true;
+}
+
+static enum seed_range parse_range(const char *h, uint64_t size, uint64_t *a, uint64_t *b)
+{
+    h = skip_ows(h);
+    if (strncasecmp(h, "bytes=", 6) != 0) /* unknown unit: MUST be ignored */
+        return SEED_RANGE_IGNORE;
+    h += 6;
+    size_t n = 0, n_sat = 0;
+    for (;;) {
+        h = skip_ows(h);
+        if (*h == ',') { /* empty list element (RFC 9110 §5.6.1.2): skipped */
+            h++;
+            continue;
+        }
+        if (*h == '\0')
+            break;
+        bool sat;
+        uint64_t x, y;
+        if (!parse_spec(&h, size, &sat, &x, &y))
+            return SEED_RANGE_IGNORE;
+        if (sat && n_sat++ == 0) {
+            *a = x;
+            *b = y;
+        }
+        n++;
+        h = skip_ows(h);
+        if (*h != ',' && *h != '\0')
+            return SEED_RANGE_IGNORE;
+    }
+    if (n == 0)
+        return SEED_RANGE_IGNORE;
+    if (n_sat == 0)
+        return SEED_RANGE_UNSAT;
+    return n == 1 ? SEED_RANGE_ONE : SEED_RANGE_MULTI;
 }
 
 static enum MHD_Result queue_text(struct MHD_Connection *c, unsigned code, const char *type, const char *text)
@@ -180,6 +227,68 @@ static bool ends_with(const char *s, const char *suffix)
     return n >= k && !strcmp(s + n - k, suffix);
 }
 
+/* Where an URL whose %-decoding gave a NUL or a '/' is rewritten to (by
+ * seed_unescape): the handler answers 400. A raw control byte cannot come in
+ * a request line, and safe_name refuses it anyway. */
+#define SEED_BAD_NAME "\x01"
+
+static int hexval(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* MHD's unescape callback (the path and query arguments), in place: %XX is
+ * decoded, other bytes are kept. A decoded NUL would cut the C string the
+ * handler sees ("/m.gguf%00.json" would be served as "/m.gguf") and a decoded
+ * '/' is a separator in disguise: such a string becomes SEED_BAD_NAME. */
+static size_t seed_unescape(void *cls, struct MHD_Connection *c, char *str)
+{
+    (void)cls;
+    (void)c;
+    char *w = str;
+    for (const char *r = str; *r; r++) {
+        int hi, lo;
+        if (r[0] == '%' && (hi = hexval(r[1])) >= 0 && (lo = hexval(r[2])) >= 0) {
+            char ch = (char)(hi * 16 + lo);
+            if (ch == '\0' || ch == '/') {
+                memcpy(str, SEED_BAD_NAME, sizeof SEED_BAD_NAME);
+                return sizeof SEED_BAD_NAME - 1;
+            }
+            *w++ = ch;
+            r += 2;
+        } else {
+            *w++ = *r;
+        }
+    }
+    *w = '\0';
+    return (size_t)(w - str);
+}
+
+/* DIR/name resolved (symlinks followed) if that lies inside DIR and is a
+ * regular file: malloc'd path, or NULL (missing, outside DIR, not a file). */
+static char *resolve_inside(const struct kvs_seed *s, const char *name, struct stat *st)
+{
+    char path[4096];
+    if (snprintf(path, sizeof path, "%s/%s", s->dir, name) >= (int)sizeof path)
+        return NULL;
+    char *real = realpath(path, NULL);
+    if (!real)
+        return NULL;
+    size_t n = strlen(s->realdir);
+    bool inside = !strncmp(real, s->realdir, n) && (real[n] == '/' || (n == 1 && s->realdir[0] == '/'));
+    if (!inside || stat(real, st) != 0 || !S_ISREG(st->st_mode)) {
+        free(real);
+        return NULL;
+    }
+    return real;
+}
+
 static json_t *list_models(const struct kvs_seed *s)
 {
     json_t *arr = json_array();
@@ -193,10 +302,9 @@ static json_t *list_models(const struct kvs_seed *s)
     while ((de = readdir(d)) != NULL) {
         if (!safe_name(de->d_name) || !ends_with(de->d_name, ".gguf"))
             continue;
-        char path[4096];
         struct stat st;
-        if (snprintf(path, sizeof path, "%s/%s", s->dir, de->d_name) >= (int)sizeof path ||
-            stat(path, &st) != 0 || !S_ISREG(st.st_mode))
+        char *path = resolve_inside(s, de->d_name, &st); /* not a link out of DIR, not a FIFO */
+        if (!path)
             continue;
         char etag[64], hex[65];
         make_etag(&st, etag, sizeof etag);
@@ -209,6 +317,7 @@ static json_t *list_models(const struct kvs_seed *s)
             jfp = json_string(hex);
         }
         kvs_gguf_close(g);
+        free(path);
         json_array_append_new(arr, json_pack("{s:s, s:I, s:o, s:s}", "name", de->d_name, "size",
                                              (json_int_t)st.st_size, "fingerprint", jfp, "etag", etag));
     }
@@ -218,11 +327,14 @@ static json_t *list_models(const struct kvs_seed *s)
 
 static enum MHD_Result serve_file(struct kvs_seed *s, struct MHD_Connection *c, const char *name)
 {
-    char path[4096];
-    if (snprintf(path, sizeof path, "%s/%s", s->dir, name) >= (int)sizeof path)
-        return queue_text(c, MHD_HTTP_NOT_FOUND, "text/plain", "not found\n");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
     struct stat st;
+    char *path = resolve_inside(s, name, &st);
+    if (!path)
+        return queue_text(c, MHD_HTTP_NOT_FOUND, "text/plain", "not found\n");
+    /* The resolved path has no link left; O_NOFOLLOW refuses one swapped in
+     * since, O_NONBLOCK keeps a FIFO swapped in from blocking the open. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    free(path);
     if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         if (fd >= 0)
             close(fd);
@@ -234,8 +346,12 @@ static enum MHD_Result serve_file(struct kvs_seed *s, struct MHD_Connection *c, 
     const char *range = s->no_ranges ? NULL : MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Range");
     uint64_t a = 0, b = size ? size - 1 : 0;
     unsigned code = MHD_HTTP_OK;
-    if (range) {
-        if (!parse_range(range, size, &a, &b)) {
+    enum seed_range rk = range ? parse_range(range, size, &a, &b) : SEED_RANGE_IGNORE;
+    if (rk == SEED_RANGE_IGNORE) {
+        a = 0;
+        b = size ? size - 1 : 0;
+    } else {
+        if (rk != SEED_RANGE_ONE) {
             close(fd);
             snprintf(cr, sizeof cr, "bytes */%" PRIu64, size);
             struct MHD_Response *r = MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
@@ -291,6 +407,9 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
     if (!strcmp(url, "/stats"))
         return queue_json(c, json_pack("{s:I, s:I}", "bytes_served", (json_int_t)atomic_load(&s->bytes_served),
                                        "requests", (json_int_t)atomic_load(&s->requests)));
+    if (!strcmp(url, SEED_BAD_NAME))
+        return queue_text(c, MHD_HTTP_BAD_REQUEST, "text/plain",
+                          "bad request: the name decodes to a NUL byte or a '/'\n");
     if (url[0] != '/' || !safe_name(url + 1) || !(ends_with(url, ".gguf") || ends_with(url, ".json")))
         return queue_text(c, MHD_HTTP_NOT_FOUND, "text/plain", "not found\n");
     return serve_file(s, c, url + 1);
@@ -312,16 +431,22 @@ kvs_err kvs_seed_start(const struct kvs_seed_params *p, struct kvs_seed **out, c
     if (!s)
         return KVS_ERR_NOMEM;
     s->dir = strdup(p->dir);
+    s->realdir = realpath(p->dir, NULL);
     s->no_ranges = p->no_ranges;
-    if (!s->dir) {
+    if (!s->dir || !s->realdir) {
+        kvs_err e = s->dir && errno != ENOMEM ? KVS_ERR_IO : KVS_ERR_NOMEM;
+        free(s->dir);
+        free(s->realdir);
         free(s);
-        return KVS_ERR_NOMEM;
+        return kvs_shard__err(e, errbuf, errlen, "'%s': cannot resolve the folder", p->dir);
     }
     s->daemon = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD, p->port, NULL,
                                  NULL, handler, s, MHD_OPTION_SOCK_ADDR, (const struct sockaddr *)&sa,
                                  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)120,
-                                 MHD_OPTION_CONNECTION_LIMIT, (unsigned int)SEED_MAX_CONNECTIONS, MHD_OPTION_END);
+                                 MHD_OPTION_CONNECTION_LIMIT, (unsigned int)SEED_MAX_CONNECTIONS,
+                                 MHD_OPTION_UNESCAPE_CALLBACK, seed_unescape, NULL, MHD_OPTION_END);
     if (!s->daemon) {
+        free(s->realdir);
         free(s->dir);
         free(s);
         return kvs_shard__err(KVS_ERR_NET, errbuf, errlen, "cannot listen on %s:%u", p->bind, p->port);
@@ -337,6 +462,7 @@ void kvs_seed_stop(struct kvs_seed *s)
     if (!s)
         return;
     MHD_stop_daemon(s->daemon);
+    free(s->realdir);
     free(s->dir);
     free(s);
 }

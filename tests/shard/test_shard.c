@@ -359,16 +359,31 @@ static void test_seed_ranges(void **state)
         { "bytes=0-", 206, size },
         { "bytes=-5", 206, 5 },
         { "bytes=1068630-2000000", 206, 10 },
+        { "Bytes=10-19", 206, 10 },           /* the unit is case-insensitive */
+        { "bytes=-2000000", 206, size },        /* suffix longer than the file: all of it */
+        { "bytes=0-99999999999999999999999", 206, size }, /* last-pos past the end: clamped */
+        { "bytes=0-1,", 206, 2 },               /* empty list elements are skipped */
+        /* unsatisfiable byte ranges: 416 */
         { "bytes=1068640-", 416, 0 },
-        { "bytes=abc", 416, 0 },
-        { "bytes=5-2", 416, 0 },
-        { "bytes=0-1,5-6", 416, 0 },
+        { "bytes=1068640-1068700", 416, 0 },
         { "bytes=99999999999999999999999-", 416, 0 },
-        { "bytes=0-99999999999999999999999", 416, 0 },
         { "bytes=-0", 416, 0 },
-        { "bytes=-", 416, 0 },
-        { "items=0-5", 416, 0 },
-        { "bytes=--5", 416, 0 },
+        { "bytes=2000000-,3000000-4000000", 416, 0 },
+        /* several ranges: refused with 416 (docs/FORMATS.md "Seed server") */
+        { "bytes=0-1,5-6", 416, 0 },
+        { "bytes=0-1, 1068639-", 416, 0 },
+        /* RFC 9110 §14.2: an unknown unit MUST be ignored, and an invalid
+         * ranges-specifier is ignored too: 200 with the whole file (these were 416) */
+        { "items=0-3", 200, size },
+        { "items=0-5", 200, size },
+        { "none", 200, size },
+        { "bytes=abc", 200, size },
+        { "bytes=5-2", 200, size },
+        { "bytes=-", 200, size },
+        { "bytes=", 200, size },
+        { "bytes=--5", 200, size },
+        { "bytes=0-1,abc", 200, size },
+        { "bytes=0-1;2-3", 200, size },
     };
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
         size_t body = 0;
@@ -403,9 +418,128 @@ static void test_seed_ranges(void **state)
     assert_int_equal(http_get(port, "/nope.gguf", NULL, &body), 404);
     assert_int_equal(http_get(port, "/models", NULL, &body), 200);
     assert_true(body > 100);
-    /* served bytes: 2 full bodies + 100 + 5 + 10 */
-    assert_int_equal(kvs_seed_bytes_served(s), 2 * size + 115);
+    /* served bytes: 4 full bodies (no Range, 0-, the long suffix, the clamped
+     * last-pos) + 10 ignored Range headers (full bodies) + 100 + 5 + 10 + 10 + 2;
+     * not the 416s, HEAD or /models (only file bodies count) */
+    assert_int_equal(kvs_seed_bytes_served(s), 14 * size + 127);
     kvs_seed_stop(s);
+}
+
+/* GET path with the body kept (NUL-terminated, at most cap - 1 bytes); raw:
+ * the path is sent as written (no "/../" squashing by curl). */
+struct body_buf {
+    char *p;
+    size_t n, cap;
+};
+
+static size_t keep_body(char *d, size_t s, size_t n, void *ud)
+{
+    struct body_buf *b = ud;
+    size_t k = s * n;
+    size_t room = b->cap - 1 - b->n;
+    memcpy(b->p + b->n, d, k < room ? k : room);
+    b->n += k < room ? k : room;
+    b->p[b->n] = '\0';
+    return k;
+}
+
+static long http_get_text(uint16_t port, const char *path, char *out, size_t cap)
+{
+    char url[512];
+    snprintf(url, sizeof url, "http://127.0.0.1:%u%s", port, path);
+    struct body_buf b = { out, 0, cap };
+    out[0] = '\0';
+    CURL *c = curl_easy_init();
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_PATH_AS_IS, 1L);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, keep_body);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
+    long code = 0;
+    if (curl_easy_perform(c) == CURLE_OK)
+        curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+    curl_easy_cleanup(c);
+    return code;
+}
+
+static void write_text(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    assert_true(fputs(text, f) >= 0);
+    assert_int_equal(fclose(f), 0);
+}
+
+/* Regression: the seed followed symlinks out of DIR (evil.gguf -> /etc/passwd
+ * was served and listed), opened non-regular files, and served
+ * "/aidreams260K.gguf%00.json" as the .gguf (the decoded NUL cut the name). */
+static void test_seed_names(void **state)
+{
+    (void)state;
+    char dir[300], sub[300], path[400], target[1200];
+    snprintf(dir, sizeof dir, "%s/seed", g_tmp);
+    snprintf(sub, sizeof sub, "%s/seed/d.gguf", g_tmp);
+    assert_int_equal(mkdir(dir, 0700), 0);
+    assert_int_equal(mkdir(sub, 0700), 0); /* a folder named like a model */
+    snprintf(path, sizeof path, "%s/ok.json", dir);
+    write_text(path, "{\"a\": 1}\n"); /* 9 bytes */
+    snprintf(path, sizeof path, "%s/alias.json", dir); /* a link inside DIR: served */
+    assert_int_equal(symlink("ok.json", path), 0);
+    snprintf(path, sizeof path, "%s/evil.gguf", dir);
+    assert_int_equal(symlink("/etc/passwd", path), 0);
+    snprintf(path, sizeof path, "%s/up.json", dir); /* relative, out of DIR */
+    assert_int_equal(symlink("../../../../../../../../etc/passwd", path), 0);
+    snprintf(path, sizeof path, "%s/model.gguf", dir); /* a real model, but outside DIR */
+    snprintf(target, sizeof target, "%s/aidreams260K.gguf", models_dir());
+    assert_int_equal(symlink(target, path), 0);
+    snprintf(path, sizeof path, "%s/fifo.gguf", dir);
+    assert_int_equal(mkfifo(path, 0600), 0);
+    snprintf(path, sizeof path, "%s/dangling.gguf", dir);
+    assert_int_equal(symlink("nowhere.gguf", path), 0);
+
+    struct kvs_seed_params p = kvs_seed_default_params();
+    p.dir = dir;
+    struct kvs_seed *s = NULL;
+    char msg[256] = "";
+    assert_int_equal(kvs_seed_start(&p, &s, msg, sizeof msg), KVS_OK);
+    uint16_t port = kvs_seed_port(s);
+    static char text[1 << 16];
+    assert_int_equal(http_get_text(port, "/ok.json", text, sizeof text), 200);
+    assert_string_equal(text, "{\"a\": 1}\n");
+    assert_int_equal(http_get_text(port, "/alias.json", text, sizeof text), 200);
+    assert_string_equal(text, "{\"a\": 1}\n");
+    static const char *const refused[] = { "/evil.gguf", "/up.json", "/model.gguf", "/fifo.gguf", "/d.gguf",
+                                           "/dangling.gguf", "/../seed/ok.json" };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        long code = http_get_text(port, refused[i], text, sizeof text);
+        if (code != 404)
+            fail_msg("%s: %ld, wanted 404 (%s)", refused[i], code, text);
+        assert_null(strstr(text, "root:"));
+    }
+    /* Decoded NUL or '/': 400, whatever follows. */
+    static const char *const bad[] = { "/ok.json%00.json", "/ok.json%00", "/evil.gguf%00.json",
+                                       "/seed%2Fok.json", "/%2e%2e%2Fseed%2Fok.json", "/%2Fetc%2Fpasswd%00.json" };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        long code = http_get_text(port, bad[i], text, sizeof text);
+        if (code != 400)
+            fail_msg("%s: %ld, wanted 400 (%s)", bad[i], code, text);
+        assert_non_null(strstr(text, "NUL"));
+    }
+    /* Other %-escapes still decode: %6F is 'o'. */
+    assert_int_equal(http_get_text(port, "/%6Fk.json", text, sizeof text), 200);
+    assert_string_equal(text, "{\"a\": 1}\n");
+    /* /models lists none of the refused .gguf names (ok.json is no model). */
+    assert_int_equal(http_get_text(port, "/models", text, sizeof text), 200);
+    assert_string_equal(text, "[]");
+    kvs_seed_stop(s);
+
+    static const char *const names[] = { "ok.json", "alias.json", "evil.gguf", "up.json", "model.gguf",
+                                         "fifo.gguf", "dangling.gguf" };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        assert_int_equal(unlink(path), 0);
+    }
+    assert_int_equal(rmdir(sub), 0);
+    assert_int_equal(rmdir(dir), 0);
 }
 
 static void test_fetch_loopback(void **state)
@@ -541,6 +675,7 @@ int main(void)
         cmocka_unit_test(test_check),
         cmocka_unit_test(test_index_roundtrip),
         cmocka_unit_test(test_seed_ranges),
+        cmocka_unit_test(test_seed_names),
         cmocka_unit_test(test_fetch_loopback),
     };
     int rc = cmocka_run_group_tests(tests, setup, teardown);
