@@ -1,4 +1,5 @@
-/* kvasir gguf info | synth: inspect a GGUF file (uses only the gguf module). */
+/* kvasir gguf info | synth: inspect a GGUF file (the gguf module; the shard
+ * module says which window a stage shard holds). */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -6,6 +7,7 @@
 
 #include "cli/cli.h"
 #include "gguf/gguf.h"
+#include "shard/shard.h"
 
 /* Implemented in cli_synth.c when that is built. */
 #pragma weak kvs_cli_gguf_synth
@@ -211,6 +213,12 @@ static int cmd_info(int argc, char **argv)
     printf("file size: %" PRIu64 " bytes\n", kvs_gguf_file_size(g));
     printf("data offset: %" PRIu64 "\n", kvs_gguf_data_offset(g));
     printf("metadata keys: %zu\n", kvs_gguf_n_kv(g));
+    char shard[256];
+    kvs_err se = kvs_shard_describe(g, shard, sizeof shard);
+    if (se == KVS_OK) /* block_count below is the source's; the fingerprint too */
+        printf("shard: %s\n", shard);
+    else if (se != KVS_ERR_NOT_FOUND)
+        printf("shard: (bad kvasir.shard.* keys: %s)\n", shard);
 
     const char *arch = "";
     size_t alen = 0;

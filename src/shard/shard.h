@@ -73,6 +73,13 @@ kvs_err kvs_shard_check(const struct kvs_gguf *g, uint32_t begin, uint32_t end, 
  * not a shard (no/invalid kvasir.shard.window_* keys). */
 bool kvs_shard_window(const struct kvs_gguf *g, uint32_t *begin, uint32_t *end);
 
+/* One line saying which window a shard holds, for `kvasir gguf info`:
+ * "window [2,4) of 4 source blocks (tail: output norm + LM head)" (head:
+ * "token embedding"; a shard of the whole model is both). KVS_ERR_NOT_FOUND if
+ * g has no kvasir.shard.window_* key (not a shard; buf ""), KVS_ERR_FORMAT if
+ * the keys are invalid or disagree with each other (buf says how). */
+kvs_err kvs_shard_describe(const struct kvs_gguf *g, char *buf, size_t cap);
+
 /* Parses "BEGIN:END" (decimal, BEGIN < END) into a window. KVS_ERR_ARG if bad. */
 kvs_err kvs_shard_parse_window(const char *s, uint32_t *begin, uint32_t *end);
 

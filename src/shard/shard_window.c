@@ -189,6 +189,38 @@ bool kvs_shard_window(const struct kvs_gguf *g, uint32_t *begin, uint32_t *end)
     return true;
 }
 
+kvs_err kvs_shard_describe(const struct kvs_gguf *g, char *buf, size_t cap)
+{
+    if (cap)
+        buf[0] = '\0';
+    if (kvs_gguf_find_key(g, KVS_SHARD_KEY_WINDOW_BEGIN) < 0 && kvs_gguf_find_key(g, KVS_SHARD_KEY_WINDOW_END) < 0)
+        return KVS_ERR_NOT_FOUND;
+    uint32_t b, e, src = 0, n_block = 0;
+    if (!kvs_shard_window(g, &b, &e))
+        return kvs_shard__err(KVS_ERR_FORMAT, buf, cap, "invalid %s/%s keys", KVS_SHARD_KEY_WINDOW_BEGIN,
+                              KVS_SHARD_KEY_WINDOW_END);
+    bool have_src = get_u32_key(g, KVS_SHARD_KEY_SOURCE_BLOCK_COUNT, &src);
+    bool have_n = kvs_shard_block_count(g, &n_block) == KVS_OK;
+    if (!have_src && !have_n)
+        return kvs_shard__err(KVS_ERR_FORMAT, buf, cap, "window [%u,%u) of a source whose block count is not given",
+                              b, e);
+    if (have_src && have_n && src != n_block)
+        return kvs_shard__err(KVS_ERR_FORMAT, buf, cap,
+                              "window [%u,%u), but %s is %u and block_count %u", b, e,
+                              KVS_SHARD_KEY_SOURCE_BLOCK_COUNT, src, n_block);
+    if (!have_src)
+        src = n_block;
+    if (e > src)
+        return kvs_shard__err(KVS_ERR_FORMAT, buf, cap, "window [%u,%u) exceeds the source's %u blocks", b, e, src);
+    bool head = b == 0, tail = e == src;
+    snprintf(buf, cap, "window [%u,%u) of %u source blocks%s", b, e, src,
+             head && tail ? " (whole model: head and tail)"
+             : head       ? " (head: token embedding)"
+             : tail       ? " (tail: output norm + LM head)"
+                          : "");
+    return KVS_OK;
+}
+
 kvs_err kvs_shard_check(const struct kvs_gguf *g, uint32_t begin, uint32_t end, char *errbuf, size_t errlen)
 {
     uint32_t n_block = 0;

@@ -24,6 +24,18 @@ grep -Eq '^  non-block +3 tensors +262400 bytes$' <<<"$out" || fail non-block
 grep -Eq '^fingerprint: [0-9a-f]{64}$' <<<"$out" || fail fingerprint
 # the file size as listed by ls -l
 grep -qx 'file size: 1068640 bytes' <<<"$out" || fail size
+# a stage shard says which window it holds (block_count stays the source's 4)
+grep -q '^shard:' <<<"$out" && fail "a full model described as a shard"
+tmp=$(mktemp -d /tmp/kvs_gguf_info.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+"$BIN" shard extract -m "$M" --window 2:4 -o "$tmp/s24.gguf" >/dev/null
+out=$("$BIN" gguf info "$tmp/s24.gguf")
+grep -qx 'shard: window \[2,4) of 4 source blocks (tail: output norm + LM head)' <<<"$out" || fail shard-window
+grep -qx '  llama.block_count = 4 (UINT32)' <<<"$out" || fail shard-block_count
+"$BIN" shard extract -m "$M" --window 1:2 -o "$tmp/s12.gguf" >/dev/null
+out=$("$BIN" gguf info "$tmp/s12.gguf")
+grep -qx 'shard: window \[1,2) of 4 source blocks' <<<"$out" || fail shard-middle
+grep -Eq '^  blk\.1 +9 tensors +198144 bytes$' <<<"$out" || fail shard-block
 # usage and errors
 "$BIN" gguf info --help | grep -q 'usage: kvasir gguf info' || fail help
 "$BIN" gguf --help | grep -q 'gguf synth' || fail gguf-help

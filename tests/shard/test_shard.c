@@ -238,6 +238,82 @@ static void test_check(void **state)
     kvs_gguf_close(g);
 }
 
+/* A header-only GGUF with the given keys (llama, block_count n; begin/end/src
+ * written when >= 0), described by kvs_shard_describe. */
+static kvs_err describe_keys(long n, long begin, long end, long src, char *buf, size_t cap)
+{
+    struct kvs_gguf_writer *w = kvs_gguf_writer_create();
+    assert_non_null(w);
+    assert_int_equal(kvs_gguf_writer_set_str(w, "general.architecture", "llama"), KVS_OK);
+    if (n >= 0)
+        assert_int_equal(kvs_gguf_writer_set_u32(w, "llama.block_count", (uint32_t)n), KVS_OK);
+    if (begin >= 0)
+        assert_int_equal(kvs_gguf_writer_set_u32(w, KVS_SHARD_KEY_WINDOW_BEGIN, (uint32_t)begin), KVS_OK);
+    if (end >= 0)
+        assert_int_equal(kvs_gguf_writer_set_u32(w, KVS_SHARD_KEY_WINDOW_END, (uint32_t)end), KVS_OK);
+    if (src >= 0)
+        assert_int_equal(kvs_gguf_writer_set_u32(w, KVS_SHARD_KEY_SOURCE_BLOCK_COUNT, (uint32_t)src), KVS_OK);
+    uint8_t *hdr = NULL;
+    size_t len = 0;
+    assert_int_equal(kvs_gguf_writer_header(w, &hdr, &len), KVS_OK);
+    struct kvs_gguf *g = NULL;
+    char msg[256];
+    assert_int_equal(kvs_gguf_parse(hdr, len, len, &g, NULL, msg, sizeof msg), KVS_OK);
+    kvs_err e = kvs_shard_describe(g, buf, cap);
+    kvs_gguf_close(g);
+    free(hdr);
+    kvs_gguf_writer_free(w);
+    return e;
+}
+
+/* `kvasir gguf info` on a shard says which window it holds (it showed only
+ * the source's block_count). llama-q4_k_m has 3 blocks. */
+static void test_shard_describe(void **state)
+{
+    (void)state;
+    struct kvs_gguf *g = open_model("llama-q4_k_m.gguf");
+    char buf[256] = "x", msg[256] = "";
+    assert_int_equal(kvs_shard_describe(g, buf, sizeof buf), KVS_ERR_NOT_FOUND); /* a full model */
+    assert_string_equal(buf, "");
+    static const struct {
+        uint32_t b, e;
+        const char *want;
+    } win[] = {
+        { 1, 3, "window [1,3) of 3 source blocks (tail: output norm + LM head)" },
+        { 0, 1, "window [0,1) of 3 source blocks (head: token embedding)" },
+        { 1, 2, "window [1,2) of 3 source blocks" },
+        { 0, 3, "window [0,3) of 3 source blocks (whole model: head and tail)" },
+    };
+    for (size_t i = 0; i < sizeof win / sizeof win[0]; i++) {
+        char path[512];
+        tmp_path(path, sizeof path, "describe.gguf");
+        assert_int_equal(kvs_shard_extract(g, win[i].b, win[i].e, path, msg, sizeof msg), KVS_OK);
+        struct kvs_gguf *s = NULL;
+        assert_int_equal(kvs_gguf_open(path, &s, msg, sizeof msg), KVS_OK);
+        assert_int_equal(kvs_shard_describe(s, buf, sizeof buf), KVS_OK);
+        assert_string_equal(buf, win[i].want);
+        kvs_gguf_close(s);
+        remove(path);
+    }
+    kvs_gguf_close(g);
+    /* Hand-made keys. */
+    assert_int_equal(describe_keys(8, 2, 4, 8, buf, sizeof buf), KVS_OK);
+    assert_string_equal(buf, "window [2,4) of 8 source blocks");
+    assert_int_equal(describe_keys(8, 6, 8, -1, buf, sizeof buf), KVS_OK); /* source count from block_count */
+    assert_string_equal(buf, "window [6,8) of 8 source blocks (tail: output norm + LM head)");
+    assert_int_equal(describe_keys(-1, 0, 2, 4, buf, sizeof buf), KVS_OK);
+    assert_string_equal(buf, "window [0,2) of 4 source blocks (head: token embedding)");
+    assert_int_equal(describe_keys(8, -1, -1, -1, buf, sizeof buf), KVS_ERR_NOT_FOUND);
+    assert_int_equal(describe_keys(8, 4, 2, 8, buf, sizeof buf), KVS_ERR_FORMAT); /* begin >= end */
+    assert_non_null(strstr(buf, "invalid"));
+    assert_int_equal(describe_keys(8, 2, -1, 8, buf, sizeof buf), KVS_ERR_FORMAT); /* end missing */
+    assert_int_equal(describe_keys(8, 2, 4, 6, buf, sizeof buf), KVS_ERR_FORMAT); /* counts disagree */
+    assert_non_null(strstr(buf, "is 6 and block_count 8"));
+    assert_int_equal(describe_keys(4, 2, 6, 4, buf, sizeof buf), KVS_ERR_FORMAT); /* past the end */
+    assert_non_null(strstr(buf, "exceeds the source's 4 blocks"));
+    assert_int_equal(describe_keys(-1, 2, 4, -1, buf, sizeof buf), KVS_ERR_FORMAT);
+}
+
 static void test_helpers(void **state)
 {
     (void)state;
@@ -673,6 +749,7 @@ int main(void)
         cmocka_unit_test(test_window_counts),
         cmocka_unit_test(test_extract_all_models),
         cmocka_unit_test(test_check),
+        cmocka_unit_test(test_shard_describe),
         cmocka_unit_test(test_index_roundtrip),
         cmocka_unit_test(test_seed_ranges),
         cmocka_unit_test(test_seed_names),
