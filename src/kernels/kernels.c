@@ -66,7 +66,7 @@ size_t kvs_kernels_pack_row_bytes(enum kvs_type type, int64_t n)
     case KVS_TYPE_Q8_0: case KVS_TYPE_Q4_0:
         if (n <= 0 || n % 32 != 0)
             return 0;
-        return (size_t)((n + 63) / 64) * KVS_PACK_PAIR_BYTES;
+        return (size_t)((n + 127) / 128) * KVS_PACK_QUAD_BYTES;
     default:
         return 0;
     }

@@ -84,9 +84,9 @@ struct kvs_kernels {
 };
 
 /* Bytes of one packed GEMM activation row of n elements for weights of
- * `type` (0 if the type has no packed layout): pairs of 32-element blocks,
- * each pair 64 quants, 16 int32 offset corrections and 16 float scales. */
-#define KVS_PACK_PAIR_BYTES 192
+ * `type` (0 if the type has no packed layout): quads of 32-element blocks,
+ * each quad 128 quants, 16 int32 offset corrections and 16 float scales. */
+#define KVS_PACK_QUAD_BYTES 256
 size_t kvs_kernels_pack_row_bytes(enum kvs_type type, int64_t n);
 
 /* Bytes per block and elements per block for the types this module handles;

@@ -306,7 +306,7 @@ static void test_matmul_tiles(void **state)
     (void)state;
     const struct kvs_kernels *ref = kvs_kernels_get(KVS_ISA_SCALAR);
     static const enum kvs_type types[] = {KVS_TYPE_Q8_0, KVS_TYPE_Q4_0};
-    static const int64_t Ks[] = {32, 64, 96, 352};
+    static const int64_t Ks[] = {32, 64, 96, 128, 160, 352};
     for (int isa = KVS_ISA_AVX2; isa <= KVS_ISA_NEON; isa++) {
         const struct kvs_kernels *k = kvs_kernels_get((enum kvs_isa)isa);
         if (!k)

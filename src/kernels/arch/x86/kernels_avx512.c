@@ -104,25 +104,25 @@ KVS_AVX512_DOT4_LEGACY(kvs_avx512_dot4_q4_0, kvs_block_q4_0, kvs_avx512_unpack2_
 
 /* --- register-blocked GEMM for Q8_0 / Q4_0 weights ------------------------
  *
- * Packed activation layout (kvs_kernels_pack_row_bytes): per pair of 32-
- * element Q8_0 blocks, 192 bytes = 64 s8 quants, 16 int32 corrections and 16
- * float scales (lane l of the 16 int32 lanes covers quants 4l..4l+3 and
- * belongs to one block, whose f16 scale converted to float is d[l]).
+ * Packed activation layout (kvs_kernels_pack_row_bytes): per quad of four
+ * 32-element Q8_0 blocks, KVS_PACK_QUAD_BYTES = 256 bytes:
+ *   qa[64]   quants 0-15 of blocks 0..3 (128-bit lane k = block k),
+ *   qb[64]   quants 16-31 of blocks 0..3,
+ *   nc[16]   int32 corrections, lane l belongs to block l / 4,
+ *   d[16]    float scales, d[l] = the f16 scale of block l / 4.
+ * A quad short of blocks (the row end) has zero quants, corrections and
+ * scales in the missing blocks' lanes.
  *
  * vpdpbusd multiplies unsigned by signed bytes, so the weights are made
  * unsigned: Q8_0 w + 128 (w ^ 0x80), Q4_0 the raw nibble q = w + 8. Then
- * sum (w + c) a = sum w a + c sum a; the correction -c * (sum of the lane's
- * 4 activation quants) is precomputed per lane at packing time and is the
- * accumulator vpdpbusd starts from, so each (row, token, block pair) costs
- * one vpdpbusd, one conversion, one multiply and one FMA, and each weight
- * pair is loaded and unpacked once per tile of up to 4 tokens.
- *
- * Lane order: Q8_0 pairs are block 0 then block 1 (lanes 0-7, 8-15). Q4_0
- * pairs put nibbles in 128-bit lanes as [b0 low, b1 low, b0 high, b1 high]
- * (elements 0-15 of block 0, 0-15 of block 1, 16-31 of block 0, 16-31 of
- * block 1), and the activation quants are packed in the same order. An odd
- * last block is a pair whose second half is zero (quants, corrections and
- * scales). */
+ * sum (w + c) a = sum w a + c sum a; the correction -c * (sum of the 8
+ * activation quants lane l sees in qa and qb) is precomputed at packing time
+ * and is the accumulator the two vpdpbusd (qa, qb) start from. The weights
+ * are loaded in the same order (Q8_0: bytes 0-15 / 16-31 of each block; Q4_0:
+ * low / high nibbles), so each lane sums 8 products of one block, and a
+ * (row, token, quad) of 128 products costs 2 vpdpbusd, one conversion, one
+ * multiply and one FMA; each weight quad is loaded and unpacked once per
+ * tile of tokens. */
 
 #ifndef KVS_GEMM_PREFETCH
 #define KVS_GEMM_PREFETCH 512 /* bytes ahead in each weight row; 0: none */
@@ -137,142 +137,165 @@ KVS_AVX512_DOT4_LEGACY(kvs_avx512_dot4_q4_0, kvs_block_q4_0, kvs_avx512_unpack2_
 #define KVS_GEMM_MAX_T 4
 #endif
 
-static inline void kvs_avx512_pack_q8(const float *src, void *dst, int64_t n, int q4)
+/* Two 64-byte vectors of 4 blocks' 32 quants each, X = blocks 0-1, Y = 2-3,
+ * regrouped into bytes 0-15 (lo) and 16-31 (hi) of each block. */
+static inline void kvs_avx512_split_quad(__m512i X, __m512i Y, __m512i *lo, __m512i *hi)
+{
+    const __m512i ilo = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13);
+    const __m512i ihi = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
+    *lo = _mm512_permutex2var_epi64(X, ilo, Y);
+    *hi = _mm512_permutex2var_epi64(X, ihi, Y);
+}
+
+static inline void kvs_avx512_pack_q8(const float *src, void *dst, int64_t n, int shift)
 {
     char *out = dst;
     const int64_t nb = n / KVS_QK;
     const __m512i ones = _mm512_set1_epi8(1);
-    for (int64_t p = 0; p < (nb + 1) / 2; p++, out += KVS_PACK_PAIR_BYTES) {
-        kvs_block_q8_0 b[2];
-        const bool two = 2 * p + 1 < nb;
-        kvs_x86_quant_q8_0(src + 2 * KVS_QK * p, b, two ? 2 * KVS_QK : KVS_QK);
-        if (!two)
-            memset(&b[1], 0, sizeof b[1]);
-        __m512i q;
-        __m512 d;
-        const float d0 = KVS_F16(b[0].d), d1 = KVS_F16(b[1].d);
-        if (q4) {
-            __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)b[0].qs)),
-                                                 _mm_loadu_si128((const __m128i *)b[1].qs), 1);
-            __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b[0].qs + 16))),
-                                                 _mm_loadu_si128((const __m128i *)(b[1].qs + 16)), 1);
-            q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            d = _mm512_mask_mov_ps(_mm512_set1_ps(d0), 0xF0F0, _mm512_set1_ps(d1));
-        } else {
-            q = kvs_avx512_load2(b[0].qs, b[1].qs);
-            d = kvs_avx512_scale2(d0, d1);
-        }
-        __m512i s4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q);
-        __m512i nc = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s4, q4 ? 3 : 7));
-        _mm512_storeu_si512(out, q);
-        _mm512_storeu_si512(out + 64, nc);
-        _mm512_storeu_ps(out + 128, d);
+    for (int64_t q = 0; q < (nb + 3) / 4; q++, out += KVS_PACK_QUAD_BYTES) {
+        kvs_block_q8_0 b[4];
+        const int64_t nbq = nb - 4 * q < 4 ? nb - 4 * q : 4;
+        kvs_x86_quant_q8_0(src + 4 * KVS_QK * q, b, KVS_QK * nbq);
+        for (int64_t i = nbq; i < 4; i++)
+            memset(&b[i], 0, sizeof b[i]);
+        __m512i lo, hi;
+        kvs_avx512_split_quad(kvs_avx512_load2(b[0].qs, b[1].qs), kvs_avx512_load2(b[2].qs, b[3].qs), &lo, &hi);
+        __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, lo), ones, hi);
+        __m512i nc = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_sll_epi32(s, _mm_cvtsi32_si128(shift)));
+        float d[16];
+        for (int l = 0; l < 16; l++)
+            d[l] = KVS_F16(b[l / 4].d);
+        _mm512_storeu_si512(out, lo);
+        _mm512_storeu_si512(out + 64, hi);
+        _mm512_storeu_si512(out + 128, nc);
+        _mm512_storeu_ps(out + 192, _mm512_loadu_ps(d));
     }
 }
 
 static void kvs_avx512_pack_q8_0(const float *src, void *dst, int64_t n)
 {
-    kvs_avx512_pack_q8(src, dst, n, 0);
+    kvs_avx512_pack_q8(src, dst, n, 7); /* c = 128 */
 }
 
 static void kvs_avx512_pack_q4_0(const float *src, void *dst, int64_t n)
 {
-    kvs_avx512_pack_q8(src, dst, n, 1);
+    kvs_avx512_pack_q8(src, dst, n, 3); /* c = 8 */
 }
 
-/* One weight block pair at b as unsigned quants and per-lane float scales
- * (see the layout above); `two` false: only the first block exists. */
-static inline __attribute__((always_inline)) void kvs_avx512_wpair(int q4, bool two, const char *b, __m512i *wq,
-                                                                   __m512 *wd)
+/* One weight quad at b (nblk of its 4 blocks present, compile-time) as
+ * unsigned quants in the packed order and per-lane float scales. */
+static inline __attribute__((always_inline)) void kvs_avx512_wquad(int q4, int nblk, const char *b, __m512i *wlo,
+                                                                   __m512i *whi, __m512 *wd)
 {
     if (q4) {
         const kvs_block_q4_0 *x = (const kvs_block_q4_0 *)b;
-        const __m256i m4 = _mm256_set1_epi8(0x0F);
-        __m256i t;
-        if (two) {
-            t = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)x[0].qs)),
-                                        _mm_loadu_si128((const __m128i *)x[1].qs), 1);
-            /* d0 is word 0 and d1 word 9 of the pair's first 32 bytes */
-            const __m256i idx = _mm256_setr_epi16(0, 0, 0, 0, 9, 9, 9, 9, 0, 0, 0, 0, 9, 9, 9, 9);
-            __m256i dd = _mm256_permutexvar_epi16(idx, _mm256_loadu_si256((const __m256i *)b));
-            *wd = _mm512_cvtph_ps(dd);
-        } else {
-            t = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)x[0].qs));
-            *wd = _mm512_maskz_mov_ps(0x0F0F, _mm512_set1_ps(KVS_F16(x[0].d)));
+        __m128i q[4];
+        for (int i = 0; i < 4; i++)
+            q[i] = i < nblk ? _mm_loadu_si128((const __m128i *)x[i].qs) : _mm_setzero_si128();
+        __m512i v = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(q[0]), q[1], 1)),
+            _mm256_inserti128_si256(_mm256_castsi128_si256(q[2]), q[3], 1), 1);
+        const __m512i m4 = _mm512_set1_epi8(0x0F);
+        *wlo = _mm512_and_si512(v, m4);
+        *whi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if (nblk == 4) {
+            /* the scales are words 0, 9, 18 and 27 of the quad's first 64 bytes */
+            const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 27, 27, 27, 27,
+                                                 18, 18, 18, 18, 9, 9, 9, 9, 0, 0, 0, 0);
+            *wd = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(b))));
+            return;
         }
-        __m256i lo = _mm256_and_si256(t, m4), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m4);
-        *wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     } else {
         const kvs_block_q8_0 *x = (const kvs_block_q8_0 *)b;
+        __m256i q[4];
+        for (int i = 0; i < 4; i++)
+            q[i] = i < nblk ? _mm256_loadu_si256((const __m256i *)x[i].qs) : _mm256_setzero_si256();
         const __m512i x80 = _mm512_set1_epi8((char)0x80);
-        if (two) {
-            *wq = _mm512_xor_si512(kvs_avx512_load2(x[0].qs, x[1].qs), x80);
-            /* d0 is word 0 and d1 word 17 of the pair's first 64 bytes */
-            const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                 17, 17, 17, 17, 17, 17, 17, 17, 0, 0, 0, 0, 0, 0, 0, 0);
-            __m512i dd = _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(b));
+        __m512i lo, hi;
+        kvs_avx512_split_quad(_mm512_inserti64x4(_mm512_castsi256_si512(q[0]), q[1], 1),
+                              _mm512_inserti64x4(_mm512_castsi256_si512(q[2]), q[3], 1), &lo, &hi);
+        *wlo = _mm512_xor_si512(lo, x80);
+        *whi = _mm512_xor_si512(hi, x80);
+        if (nblk == 4) {
+            /* the scales are words 0 and 17 of blocks 0 and 2's first 64 bytes */
+            const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 49, 49, 49, 49,
+                                                 32, 32, 32, 32, 17, 17, 17, 17, 0, 0, 0, 0);
+            __m512i dd = _mm512_permutex2var_epi16(_mm512_loadu_si512(b), idx, _mm512_loadu_si512(x + 2));
             *wd = _mm512_cvtph_ps(_mm512_castsi512_si256(dd));
-        } else {
-            *wq = _mm512_zextsi256_si512(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)x[0].qs),
-                                                          _mm256_set1_epi8((char)0x80)));
-            *wd = _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(KVS_F16(x[0].d)));
+            return;
         }
     }
+    /* a short quad (row end): scales one by one, zero for missing blocks
+     * (their activation lanes are zero too) */
+    float d[16];
+    for (int l = 0; l < 16; l++)
+        d[l] = l / 4 < nblk ? (q4 ? KVS_F16(((const kvs_block_q4_0 *)b)[l / 4].d)
+                                  : KVS_F16(((const kvs_block_q8_0 *)b)[l / 4].d))
+                            : 0.0f;
+    *wd = _mm512_loadu_ps(d);
 }
 
-/* acc[r][t] += pair p of weight row r times packed activation row t. */
-static inline __attribute__((always_inline)) void kvs_avx512_gemm_pair(int q4, bool two, int R, int T,
+/* acc[r][t] += quad of weight row r times packed activation row t. */
+static inline __attribute__((always_inline)) void kvs_avx512_gemm_quad(int q4, int nblk, int R, int T,
                                                                        const char *w, size_t w_stride,
-                                                                       const char *ap, size_t a_stride,
+                                                                       const char *aq, size_t a_stride,
                                                                        __m512 acc[KVS_GEMM_MAX_R][KVS_GEMM_MAX_T])
 {
-    __m512i wq[KVS_GEMM_MAX_R];
+    __m512i wlo[KVS_GEMM_MAX_R], whi[KVS_GEMM_MAX_R];
     __m512 wd[KVS_GEMM_MAX_R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
+        const char *wr = w + (size_t)r * w_stride;
 #if KVS_GEMM_PREFETCH > 0
         /* weights stream from memory once (decode: bandwidth-bound) */
-        _mm_prefetch(w + (size_t)r * w_stride + KVS_GEMM_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch(wr + KVS_GEMM_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch(wr + KVS_GEMM_PREFETCH + 64, _MM_HINT_T0);
 #endif
 #if KVS_GEMM_PREFETCH_L2 > 0
-        _mm_prefetch(w + (size_t)r * w_stride + KVS_GEMM_PREFETCH_L2, _MM_HINT_T1);
+        _mm_prefetch(wr + KVS_GEMM_PREFETCH_L2, _MM_HINT_T1);
+        _mm_prefetch(wr + KVS_GEMM_PREFETCH_L2 + 64, _MM_HINT_T1);
 #endif
-        kvs_avx512_wpair(q4, two, w + (size_t)r * w_stride, &wq[r], &wd[r]);
+        kvs_avx512_wquad(q4, nblk, wr, &wlo[r], &whi[r], &wd[r]);
     }
 #pragma GCC unroll 8
     for (int t = 0; t < T; t++) {
-        const char *at = ap + (size_t)t * a_stride;
-        const __m512i aq = _mm512_loadu_si512(at);
-        const __m512 ad = _mm512_loadu_ps((const float *)(at + 128));
+        const char *at = aq + (size_t)t * a_stride;
+        const __m512i alo = _mm512_loadu_si512(at), ahi = _mm512_loadu_si512(at + 64);
+        const __m512 ad = _mm512_loadu_ps((const float *)(at + 192));
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(at + 64), wq[r], aq);
+            __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(at + 128), wlo[r], alo);
+            s = _mm512_dpbusd_epi32(s, whi[r], ahi);
             acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), ad), wd[r], acc[r][t]);
         }
     }
 }
 
-/* R weight rows x T packed activation rows (R, T <= 4, compile-time after
+/* R weight rows x T packed activation rows (R, T compile-time after
  * inlining). */
 static inline __attribute__((always_inline)) void kvs_avx512_gemm_tile(int q4, int R, int T, int64_t nb,
                                                                        const char *w, size_t w_stride,
                                                                        const char *a, size_t a_stride,
                                                                        float *y, size_t y_stride)
 {
-    const size_t pair = q4 ? 2 * sizeof(kvs_block_q4_0) : 2 * sizeof(kvs_block_q8_0);
+    const size_t quad = q4 ? 4 * sizeof(kvs_block_q4_0) : 4 * sizeof(kvs_block_q8_0);
     __m512 acc[KVS_GEMM_MAX_R][KVS_GEMM_MAX_T];
 #pragma GCC unroll 8
     for (int r = 0; r < KVS_GEMM_MAX_R; r++)
 #pragma GCC unroll 8
         for (int t = 0; t < KVS_GEMM_MAX_T; t++)
             acc[r][t] = _mm512_setzero_ps();
-    const int64_t np = nb / 2;
-    for (int64_t p = 0; p < np; p++)
-        kvs_avx512_gemm_pair(q4, true, R, T, w + (size_t)p * pair, w_stride, a + (size_t)p * KVS_PACK_PAIR_BYTES,
+    const int64_t nq = nb / 4;
+    for (int64_t q = 0; q < nq; q++)
+        kvs_avx512_gemm_quad(q4, 4, R, T, w + (size_t)q * quad, w_stride, a + (size_t)q * KVS_PACK_QUAD_BYTES,
                              a_stride, acc);
-    if (nb & 1)
-        kvs_avx512_gemm_pair(q4, false, R, T, w + (size_t)np * pair, w_stride,
-                             a + (size_t)np * KVS_PACK_PAIR_BYTES, a_stride, acc);
+    const char *wt = w + (size_t)nq * quad, *at = a + (size_t)nq * KVS_PACK_QUAD_BYTES;
+    switch (nb & 3) {
+    case 1: kvs_avx512_gemm_quad(q4, 1, R, T, wt, w_stride, at, a_stride, acc); break;
+    case 2: kvs_avx512_gemm_quad(q4, 2, R, T, wt, w_stride, at, a_stride, acc); break;
+    case 3: kvs_avx512_gemm_quad(q4, 3, R, T, wt, w_stride, at, a_stride, acc); break;
+    default: break;
+    }
 #pragma GCC unroll 8
     for (int t = 0; t < T; t++)
 #pragma GCC unroll 8
