@@ -27,6 +27,7 @@ size_t kvs_matmul_scratch_bytes(enum kvs_type type, int64_t K, int64_t n_tok)
  * thread that loses its core does not hold the matmul up. front and back are
  * packed in one word (row offsets < 2^31) and claimed with compare-exchange. */
 #define KVS_MM_MAX_RANGES 64
+#define KVS_MM_MAX_MATS 4
 struct kvs_mm_range {
     _Alignas(64) _Atomic uint64_t fb; /* front << 32 | back */
 };
@@ -69,7 +70,30 @@ struct kvs_mm_job {
     int64_t chunk;     /* gemm: rows per claimed chunk (a multiple of 4) */
     int n_ranges;      /* gemm: home ranges, one per thread (at most KVS_MM_MAX_RANGES) */
     struct kvs_mm_range *ranges;
+    /* gemm: the rows of n_mats matrices of one type and K (kvs_matmul_multi)
+     * as one row space: matrix m has rows [off[m], off[m + 1]) of it and
+     * writes ys[m] (stride its row count); W, y, row_begin are matrix 0's. */
+    int n_mats;
+    const struct kvs_matrix *mats[KVS_MM_MAX_MATS];
+    float *ys[KVS_MM_MAX_MATS];
+    int64_t off[KVS_MM_MAX_MATS + 1];
 };
+
+/* The GEMM over rows [c0, c1) of the job's row space. */
+static void kvs_mm_gemm_span(const struct kvs_mm_job *j, int64_t c0, int64_t c1)
+{
+    int m = 0;
+    while (c0 < c1) {
+        while (c0 >= j->off[m + 1])
+            m++;
+        const int64_t e = c1 < j->off[m + 1] ? c1 : j->off[m + 1];
+        const struct kvs_matrix *W = j->mats[m];
+        const int64_t r = c0 - j->off[m] + (m == 0 ? j->row_begin : 0);
+        j->gemm(W->ne0, (const char *)W->data + (size_t)r * W->row_bytes, W->row_bytes, e - c0, j->act,
+                j->act_row, j->n_tok, j->ys[m] + (c0 - j->off[m]), (size_t)(j->off[m + 1] - j->off[m]));
+        c0 = e;
+    }
+}
 
 static void kvs_mm_quant_task(void *ctx, int ith, int nth)
 {
@@ -87,13 +111,11 @@ static void kvs_mm_dot_task(void *ctx, int ith, int nth)
     int64_t rows = j->row_end - j->row_begin;
     int64_t K = W->ne0, N = rows, T = j->n_tok;
     if (j->gemm) {
-        const char *wbase = (const char *)W->data + (size_t)j->row_begin * W->row_bytes;
         for (int k = 0; k < j->n_ranges; k++) {
             int own = (ith + k) % j->n_ranges;
             int64_t c0, c1;
             while (kvs_mm_claim(&j->ranges[own], j->chunk, own != ith, &c0, &c1))
-                j->gemm(K, wbase + (size_t)c0 * W->row_bytes, W->row_bytes, c1 - c0, j->act, j->act_row, T,
-                        j->y + c0, (size_t)N);
+                kvs_mm_gemm_span(j, c0, c1);
         }
         return;
     }
@@ -128,6 +150,35 @@ static void kvs_mm_dot_task(void *ctx, int ith, int nth)
     }
 }
 
+/* Switches j (mats, ys, off, n_mats set) to the packed GEMM path if the
+ * ISA has one for the type and the row space fits the range words. */
+static void kvs_mm_gemm_setup(struct kvs_mm_job *j, struct kvs_pool *pool, void *scratch,
+                              struct kvs_mm_range *ranges)
+{
+    const struct kvs_matrix *W = j->W;
+    const int64_t rows = j->off[j->n_mats];
+    size_t packed = kvs_kernels_pack_row_bytes(W->type, W->ne0);
+    if (!packed || !j->k->gemm[W->type] || !j->k->pack_act[W->type] || rows >= ((int64_t)1 << 31))
+        return;
+    j->gemm = j->k->gemm[W->type];
+    j->act = j->act_w = (void *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    j->act_row = packed;
+    int nr = kvs_pool_n_threads(pool);
+    if (nr > KVS_MM_MAX_RANGES)
+        nr = KVS_MM_MAX_RANGES;
+    j->n_ranges = nr;
+    j->ranges = ranges;
+    j->chunk = nr > 1 ? (rows / (8 * (int64_t)nr) + 3) & ~(int64_t)3 : rows;
+    if (j->chunk < 4)
+        j->chunk = 4;
+    int64_t per = ((rows + nr - 1) / nr + 3) & ~(int64_t)3;
+    for (int i = 0; i < nr; i++) {
+        int64_t f = (int64_t)i * per < rows ? (int64_t)i * per : rows;
+        int64_t b = f + per < rows ? f + per : rows;
+        atomic_init(&ranges[i].fb, ((uint64_t)f << 32) | (uint64_t)b);
+    }
+}
+
 void kvs_matmul_rows(const struct kvs_kernels *k, struct kvs_pool *pool, const struct kvs_matrix *W,
                      int64_t row_begin, int64_t row_end, const float *x, int64_t n_tok, float *y,
                      void *scratch)
@@ -149,27 +200,12 @@ void kvs_matmul_rows(const struct kvs_kernels *k, struct kvs_pool *pool, const s
         assert(scratch);
         j.act = j.act_w = scratch;
         j.act_row = kvs_kernels_row_bytes(j.vt, W->ne0);
-        size_t packed = kvs_kernels_pack_row_bytes(W->type, W->ne0);
-        if (packed && k->gemm[W->type] && k->pack_act[W->type] && row_end - row_begin < ((int64_t)1 << 31)) {
-            j.gemm = k->gemm[W->type];
-            j.act = j.act_w = (void *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-            j.act_row = packed;
-            int64_t rows = row_end - row_begin;
-            int nr = kvs_pool_n_threads(pool);
-            if (nr > KVS_MM_MAX_RANGES)
-                nr = KVS_MM_MAX_RANGES;
-            j.n_ranges = nr;
-            j.ranges = ranges;
-            j.chunk = nr > 1 ? (rows / (8 * (int64_t)nr) + 3) & ~(int64_t)3 : rows;
-            if (j.chunk < 4)
-                j.chunk = 4;
-            int64_t per = ((rows + nr - 1) / nr + 3) & ~(int64_t)3;
-            for (int i = 0; i < nr; i++) {
-                int64_t f = (int64_t)i * per < rows ? (int64_t)i * per : rows;
-                int64_t b = f + per < rows ? f + per : rows;
-                atomic_init(&ranges[i].fb, ((uint64_t)f << 32) | (uint64_t)b);
-            }
-        }
+        j.n_mats = 1;
+        j.mats[0] = W;
+        j.ys[0] = y;
+        j.off[0] = 0;
+        j.off[1] = row_end - row_begin;
+        kvs_mm_gemm_setup(&j, pool, scratch, ranges);
         if (n_tok == 1)
             kvs_mm_quant_task(&j, 0, 1); /* one short row: cheaper than a pool round trip */
         else
@@ -182,4 +218,39 @@ void kvs_matmul(const struct kvs_kernels *k, struct kvs_pool *pool, const struct
                 const float *x, int64_t n_tok, float *y, void *scratch)
 {
     kvs_matmul_rows(k, pool, W, 0, W->ne1, x, n_tok, y, scratch);
+}
+
+void kvs_matmul_multi(const struct kvs_kernels *k, struct kvs_pool *pool, int n, const struct kvs_matrix *const W[],
+                      const float *x, int64_t n_tok, float *const y[], void *scratch)
+{
+    assert(k && n >= 1 && W && y);
+    bool same = n <= KVS_MM_MAX_MATS && n_tok > 0;
+    for (int i = 1; i < n && same; i++)
+        same = W[i]->type == W[0]->type && W[i]->ne0 == W[0]->ne0;
+    if (same) {
+        struct kvs_mm_range ranges[KVS_MM_MAX_RANGES];
+        struct kvs_mm_job j = {
+            .k = k, .W = W[0], .row_begin = 0, .row_end = W[0]->ne1,
+            .x = x, .n_tok = n_tok, .y = y[0], .vt = kvs_vec_dot_type(W[0]->type), .n_mats = n,
+        };
+        for (int i = 0; i < n; i++) {
+            j.mats[i] = W[i];
+            j.ys[i] = y[i];
+            j.off[i + 1] = j.off[i] + W[i]->ne1;
+        }
+        if (j.vt != KVS_TYPE_F32 && j.vt != KVS_TYPE_COUNT) {
+            assert(scratch);
+            kvs_mm_gemm_setup(&j, pool, scratch, ranges);
+        }
+        if (j.gemm) {
+            if (n_tok == 1)
+                kvs_mm_quant_task(&j, 0, 1);
+            else
+                kvs_pool_run(pool, kvs_mm_quant_task, &j);
+            kvs_pool_run(pool, kvs_mm_dot_task, &j);
+            return;
+        }
+    }
+    for (int i = 0; i < n; i++)
+        kvs_matmul(k, pool, W[i], x, n_tok, y[i], scratch);
 }

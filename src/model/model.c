@@ -537,9 +537,9 @@ static void attention_block(struct kvs_model *m, const struct kvs_batch *b, int3
     const int64_t E = hp->n_embd, D = hp->head_dim;
     for (int32_t t = 0; t < n; t++)
         rmsnorm(m->xn + (size_t)t * (size_t)E, m->x + (size_t)t * (size_t)E, w->attn_norm, E, hp->rms_eps);
-    kvs_matmul(m->k, m->pool, &w->wq, m->xn, n, m->q, m->mm_scratch);
-    kvs_matmul(m->k, m->pool, &w->wk, m->xn, n, m->kv_k, m->mm_scratch);
-    kvs_matmul(m->k, m->pool, &w->wv, m->xn, n, m->kv_v, m->mm_scratch);
+    const struct kvs_matrix *qkv[3] = { &w->wq, &w->wk, &w->wv };
+    float *const qkv_out[3] = { m->q, m->kv_k, m->kv_v };
+    kvs_matmul_multi(m->k, m->pool, 3, qkv, m->xn, n, qkv_out, m->mm_scratch);
     add_bias(m->q, w->bq, n, m->q_dim);
     add_bias(m->kv_k, w->bk, n, m->kv_dim);
     add_bias(m->kv_v, w->bv, n, m->kv_dim);
@@ -602,8 +602,9 @@ static void swiglu(struct kvs_model *m, float *a, const float *bb, size_t n)
 static void ffn_dense(struct kvs_model *m, const struct block_w *w, int32_t n)
 {
     const int64_t F = m->hp.n_ff;
-    kvs_matmul(m->k, m->pool, &w->gate, m->xn, n, m->ffa, m->mm_scratch);
-    kvs_matmul(m->k, m->pool, &w->up, m->xn, n, m->ffb, m->mm_scratch);
+    const struct kvs_matrix *gu[2] = { &w->gate, &w->up };
+    float *const gu_out[2] = { m->ffa, m->ffb };
+    kvs_matmul_multi(m->k, m->pool, 2, gu, m->xn, n, gu_out, m->mm_scratch);
     swiglu(m, m->ffa, m->ffb, (size_t)n * (size_t)F);
     kvs_matmul(m->k, m->pool, &w->down, m->ffa, n, m->tmp, m->mm_scratch);
 }

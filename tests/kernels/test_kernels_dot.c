@@ -299,8 +299,8 @@ static void test_matmul_threads(void **state)
 
 /* The register-blocked GEMM path (packed activations; Q8_0 and Q4_0 on
  * AVX-512) against scalar dots for every tile shape: rows 1..9 and tokens
- * 1..7 cover full and partial tiles, K from one block (a lone odd block) to
- * an odd count of pairs, and pools of 1..3 threads split the rows. */
+ * 1..7 cover full and partial tiles, K from one block to 11 (full quads of
+ * blocks and every short quad), and pools of 1..3 threads split the rows. */
 static void test_matmul_tiles(void **state)
 {
     (void)state;
@@ -353,6 +353,59 @@ static void test_matmul_tiles(void **state)
             }
             kvs_pool_destroy(pool);
         }
+    }
+}
+
+/* kvs_matmul_multi equals one kvs_matmul per matrix, bit for bit: shared
+ * type and K (one packed GEMM dispatch over 3 matrices of 36, 8 and 20 rows,
+ * chunks crossing matrix boundaries) and mixed types (the fallback). */
+static void test_matmul_multi(void **state)
+{
+    (void)state;
+    const struct kvs_kernels *k = kvs_kernels_best();
+    const int64_t K = 352, rows[3] = {36, 8, 20}, TMAX = 5;
+    static const enum kvs_type sets[][3] = {
+        {KVS_TYPE_Q8_0, KVS_TYPE_Q8_0, KVS_TYPE_Q8_0},
+        {KVS_TYPE_Q4_0, KVS_TYPE_Q4_0, KVS_TYPE_Q4_0},
+        {KVS_TYPE_Q8_0, KVS_TYPE_Q4_0, KVS_TYPE_F16},
+    };
+    for (int nt = 1; nt <= 3; nt++) {
+        struct kvs_pool *pool = NULL;
+        assert_int_equal(kvs_pool_create(nt, &pool), KVS_OK);
+        for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
+            uint8_t *w[3];
+            struct kvs_matrix W[3];
+            const struct kvs_matrix *Wp[3];
+            float *y1[3], *y2[3];
+            size_t scratch_bytes = 0;
+            for (int i = 0; i < 3; i++) {
+                enum kvs_type t = sets[si][i];
+                size_t rb = kvs_type_row_bytes(t, K);
+                w[i] = malloc(rb * (size_t)rows[i]);
+                for (int64_t r = 0; r < rows[i]; r++)
+                    random_weights(t, w[i] + (size_t)r * rb, K);
+                W[i] = (struct kvs_matrix){.type = t, .ne0 = K, .ne1 = rows[i], .row_bytes = rb, .data = w[i]};
+                Wp[i] = &W[i];
+                y1[i] = malloc((size_t)(rows[i] * TMAX) * 4);
+                y2[i] = malloc((size_t)(rows[i] * TMAX) * 4);
+                size_t sb = kvs_matmul_scratch_bytes(t, K, TMAX);
+                scratch_bytes = sb > scratch_bytes ? sb : scratch_bytes;
+            }
+            float *x = malloc((size_t)(K * TMAX) * 4);
+            void *scratch = malloc(scratch_bytes);
+            random_acts(x, K * TMAX);
+            for (int64_t T = 1; T <= TMAX; T += 4) {
+                kvs_matmul_multi(k, pool, 3, Wp, x, T, y1, scratch);
+                for (int i = 0; i < 3; i++) {
+                    kvs_matmul(k, pool, &W[i], x, T, y2[i], scratch);
+                    assert_memory_equal(y1[i], y2[i], (size_t)(rows[i] * T) * 4);
+                }
+            }
+            for (int i = 0; i < 3; i++)
+                free(w[i]), free(y1[i]), free(y2[i]);
+            free(x), free(scratch);
+        }
+        kvs_pool_destroy(pool);
     }
 }
 
@@ -419,6 +472,7 @@ int main(void)
         cmocka_unit_test(test_matmul_threads),
         cmocka_unit_test(test_matmul_tiles),
         cmocka_unit_test(test_f16_vec),
+        cmocka_unit_test(test_matmul_multi),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
