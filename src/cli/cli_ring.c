@@ -164,6 +164,48 @@ static int client_one(struct kvs_stage *head, const struct kvs_ring_client_opts 
     return rc;
 }
 
+/* Prompt lines read with read(2) and poll(2), not stdio: waiting for a line
+ * (stdin from a pipe) must not keep a stopped head (SIGTERM) alive. */
+struct line_reader {
+    int fd;
+    char buf[65536];
+    size_t len;
+    bool eof;
+};
+
+/* Next line (without "\r\n") into out: 1 got one, 0 end of input (or the
+ * loop stopped), -1 read error. Lines longer than the buffer are split. */
+static int read_line(struct line_reader *lr, struct kvs_stage *head, char *out, size_t cap)
+{
+    for (;;) {
+        char *nl = memchr(lr->buf, '\n', lr->len);
+        if (nl || (lr->eof && lr->len) || lr->len == sizeof lr->buf) {
+            size_t n = nl ? (size_t)(nl - lr->buf) : lr->len;
+            size_t take = n < cap - 1 ? n : cap - 1;
+            memcpy(out, lr->buf, take);
+            out[take] = '\0';
+            out[strcspn(out, "\r")] = '\0';
+            size_t used = nl ? n + 1 : n;
+            memmove(lr->buf, lr->buf + used, lr->len - used);
+            lr->len -= used;
+            return 1;
+        }
+        if (lr->eof) return 0;
+        struct pollfd pf = { .fd = lr->fd, .events = POLLIN };
+        int r = poll(&pf, 1, 100);
+        if (r < 0 && errno != EINTR) return -1;
+        if (r <= 0) {
+            if (kvs_stage_ring_error(head, NULL, 0) == KVS_ERR_CANCELLED) return 0; /* stopped */
+            continue;
+        }
+        ssize_t got = read(lr->fd, lr->buf + lr->len, sizeof lr->buf - lr->len);
+        if (got < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        if (got < 0) return -1;
+        if (got == 0) lr->eof = true;
+        lr->len += (size_t)got;
+    }
+}
+
 static int client_many(struct kvs_stage *head, const struct kvs_ring_client_opts *o, struct client *c)
 {
     FILE *in = strcmp(o->prompts_path, "-") ? fopen(o->prompts_path, "r") : stdin;
@@ -171,6 +213,12 @@ static int client_many(struct kvs_stage *head, const struct kvs_ring_client_opts
         fprintf(stderr, "kvasir: cannot open %s\n", o->prompts_path);
         return 1;
     }
+    struct line_reader *lr = calloc(1, sizeof *lr);
+    if (!lr) {
+        if (in != stdin) fclose(in);
+        return 1;
+    }
+    lr->fd = fileno(in);
     int P = o->parallel > 0 ? o->parallel : 1;
     struct creq *rs = calloc((size_t)P, sizeof *rs);
     struct cb_ctx *cx = calloc((size_t)P, sizeof *cx);
@@ -181,11 +229,15 @@ static int client_many(struct kvs_stage *head, const struct kvs_ring_client_opts
     while (rs && cx && busy && (!eof || in_flight > 0)) {
         /* fill free slots from the input */
         while (!eof && in_flight < P) {
-            if (!fgets(line, sizeof line, in)) {
+            int lrc = read_line(lr, head, line, sizeof line);
+            if (lrc <= 0) {
+                if (lrc < 0) {
+                    fprintf(stderr, "kvasir: reading %s: %s\n", o->prompts_path, strerror(errno));
+                    rc = 1;
+                }
                 eof = true;
                 break;
             }
-            line[strcspn(line, "\r\n")] = '\0';
             if (!line[0]) continue;
             int k = 0;
             while (busy[k]) k++;
@@ -220,6 +272,7 @@ static int client_many(struct kvs_stage *head, const struct kvs_ring_client_opts
         pthread_mutex_unlock(&c->mu);
     }
     if (in != stdin) fclose(in);
+    free(lr);
     free(rs);
     free(cx);
     free(busy);
@@ -237,8 +290,17 @@ int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o
         return 1;
     }
     int rc;
-    if (kvs_stage_wait_ready(head, o->ready_timeout_ms) != KVS_OK) {
+    kvs_err we = kvs_stage_wait_ready(head, o->ready_timeout_ms);
+    if (we == KVS_ERR_CANCELLED) {
+        fprintf(stderr, "kvasir: stopped before the ring closed\n");
+        rc = 1;
+    } else if (we == KVS_ERR_TIMEOUT) {
         fprintf(stderr, "kvasir: the ring did not close within %d ms\n", o->ready_timeout_ms);
+        rc = 1;
+    } else if (we) {
+        char why[2048];
+        kvs_stage_ring_error(head, why, sizeof why);
+        fprintf(stderr, "kvasir: the ring cannot close: %s (%s)\n", why, kvs_strerror(we));
         rc = 1;
     } else {
         rc = o->prompts_path ? client_many(head, o, &c) : client_one(head, o, &c);

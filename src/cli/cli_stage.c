@@ -22,9 +22,11 @@ static void stage_usage(FILE *f)
 {
     fprintf(f, "usage: kvasir stage -m MODEL --window BEGIN:END --listen HOST:PORT --next HOST:PORT [options]\n"
                "       kvasir stage --manifest ring.json --rank R [options]\n"
+               "  a window of the whole model is a one-stage ring: it samples itself, no --next needed\n"
                "  --threads T          compute threads (default 2)\n"
                "  --ctx N              positions per sequence (default model's, <= 4096; all stages equal)\n"
                "  --seqs S             sequence slots (default 4)\n"
+               "                       (--manifest: ctx, seqs and boundary default to its targets; flags override)\n"
                "  --batch B            tokens per forward / PREFILL frame (default 512; all stages equal)\n"
                "  --boundary f16|f32   boundary precision sent on (default f16; f16 rounding can change greedy\n"
                "                       output vs a single process, f32 is bit-identical: docs/PROTOCOL.md 5)\n"
@@ -102,6 +104,8 @@ int kvs_cli_stage(int argc, char **argv)
     co.sp = kvs_sampler_default_params();
     const char *manifest = NULL, *window = NULL;
     long rank = -1, lv = 0, api = 0;
+    /* flags given on the command line override the manifest's targets */
+    bool ctx_set = false, seqs_set = false, boundary_set = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -131,15 +135,18 @@ int kvs_cli_stage(int argc, char **argv)
         } else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) {
             bad = num(v, 0, 1 << 24, &lv);
             p.n_ctx = (int32_t)lv;
+            ctx_set = true;
         } else if (!strcmp(a, "--seqs")) {
             bad = num(v, 1, 1024, &lv);
             p.n_seq = (int32_t)lv;
+            seqs_set = true;
         } else if (!strcmp(a, "--batch")) {
             bad = num(v, 1, 65536, &lv);
             p.n_batch = (int32_t)lv;
         } else if (!strcmp(a, "--boundary")) {
             bad = strcmp(v, "f16") && strcmp(v, "f32");
             p.boundary_f32 = !strcmp(v, "f32");
+            boundary_set = true;
         } else if (!strcmp(a, "--timeout")) {
             bad = num(v, 100, 3600000, &lv);
             p.timeout_ms = (int32_t)lv;
@@ -193,7 +200,11 @@ int kvs_cli_stage(int argc, char **argv)
             free(man);
             return 1;
         }
+        struct kvs_stage_params cli = p;
         e = kvs_stage_params_from_manifest(man, (int32_t)rank, &p);
+        if (ctx_set) p.n_ctx = cli.n_ctx;
+        if (seqs_set) p.n_seq = cli.n_seq;
+        if (boundary_set) p.boundary_f32 = cli.boundary_f32;
         if (e) {
             if (e == KVS_ERR_NOT_FOUND)
                 fprintf(stderr, "kvasir stage: rank %ld is not in %s (%zu ranks)\n", rank, manifest, man->n_ranks);
@@ -203,8 +214,9 @@ int kvs_cli_stage(int argc, char **argv)
             return 2;
         }
     } else {
-        if (!p.model_path || !window || !p.listen || !p.next) {
-            fprintf(stderr, "kvasir stage: -m, --window, --listen and --next are required (or --manifest/--rank)\n");
+        if (!p.model_path || !window || !p.listen) {
+            fprintf(stderr, "kvasir stage: -m, --window, --listen and --next are required (or --manifest/--rank; "
+                            "--next may be left out for a window of the whole model)\n");
             stage_usage(stderr);
             return 2;
         }

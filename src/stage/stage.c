@@ -25,6 +25,8 @@
 #define MAX_QUEUE 1024       /* submitted requests waiting */
 #define MAX_CANCELS 1024
 #define READ_CHUNK 65536
+#define REFUSED_BACKOFF_MAX_MS 16000 /* re-dial a refusing successor after 1, 2, 4 .. 16 s */
+#define BYE_WRITE_MS 200     /* a goodbye ERROR is best effort: never hold a stopping stage longer */
 
 struct seq {
     bool used;
@@ -86,6 +88,9 @@ struct kvs_stage {
     int64_t out_next_dial, out_since, out_last_write;
     int out_attempt;
     bool out_warned;
+    bool solo;                    /* the whole model: head and tail at once, no links (a one-stage ring) */
+    bool in_bye, out_bye;         /* the neighbour said goodbye (orderly shutdown): its EOF is not a fault */
+    int out_refused;              /* consecutive refusals by the successor (backoff, logged as errors) */
 
     /* head: ring probes */
     uint32_t probe_no;
@@ -119,6 +124,10 @@ struct kvs_stage {
     uint32_t next_req;
     struct kvs_stage_metrics met;
     struct kvs_stage_hop hops[KVS_PROTO_MAX_TRAIL]; /* head: the last trail that came back */
+    /* why the ring cannot close: the successor refused this stage (or does not
+     * fit it), or this stage refused its predecessor; code 0 / "" when none */
+    kvs_err out_refusal_code, in_refusal_code;
+    char out_refusal[KVS_PROTO_MAX_ERRMSG + 512], in_refusal[KVS_PROTO_MAX_ERRMSG + 512];
     int n_hops;
     double probe_rtt_ms;
 };
@@ -161,9 +170,10 @@ static void met_update(struct kvs_stage *s)
     s->met.in_up = s->in != NULL;
     s->met.out_up = s->out_state == OUT_UP;
     int64_t now = kvs_link_now_ms();
-    s->met.ring_ready = s->met.in_up && s->met.out_up &&
+    s->met.ring_ready = s->solo ||
+                        (s->met.in_up && s->met.out_up &&
                         (!s->is_head || (s->probe_back && (now - s->probe_back < s->p.timeout_ms ||
-                                                           now - s->progress < s->p.timeout_ms)));
+                                                           now - s->progress < s->p.timeout_ms))));
     pthread_mutex_unlock(&s->mu);
     pthread_cond_broadcast(&s->cv);
 }
@@ -222,6 +232,7 @@ static void out_lost(struct kvs_stage *s, const char *why);
  * link is down or failed (the frame is dropped). */
 static bool send_built(struct kvs_stage *s, struct kvs_frame_header *h)
 {
+    if (s->solo) return false; /* a one-stage ring has no links */
     if (s->out_state != OUT_UP) {
         if (h->kind != KVS_FRAME_KEEPALIVE) s->out_dropped++;
         return false;
@@ -284,27 +295,37 @@ static void write_hello(const struct kvs_stage *s, uint8_t *buf, uint32_t role)
     kvs_proto_put_hello(buf + KVS_PROTO_HEADER_BYTES, &m);
 }
 
-/* PROTOCOL.md §4: is `o` (the far end, acting as `role`) a valid neighbour? */
-static kvs_err check_hello(const struct kvs_stage *s, const struct kvs_hello *o, uint32_t role, char *msg,
-                           size_t cap)
+/* PROTOCOL.md §4: is `o` (the far end, acting as `role`) a valid neighbour?
+ * On a mismatch, `local` gets the reason as this stage reads it ("it" = the
+ * far end) and `remote` the same reason as the far end reads it ("it" = this
+ * stage), for the ERROR sent back to it. */
+static kvs_err check_hello(const struct kvs_stage *s, const struct kvs_hello *o, uint32_t role, char *local,
+                           size_t lcap, char *remote, size_t rcap)
 {
     if (o->role != role) {
-        snprintf(msg, cap, "far end sent HELLO role %u, expected %u", o->role, role);
+        snprintf(local, lcap, "it sent HELLO role %u, expected %u", o->role, role);
+        snprintf(remote, rcap, "it expected HELLO role %u, this stage sent %u", role, o->role);
         return KVS_ERR_FORMAT;
     }
     if (memcmp(o->fingerprint, s->fp, 32)) {
         char hx[65];
         kvs_gguf_fingerprint_hex(o->fingerprint, hx);
-        snprintf(msg, cap, "far end serves model %.16s..., this stage %.16s...", hx, s->fp_hex);
+        snprintf(local, lcap, "it serves model %.16s..., this stage serves %.16s...", hx, s->fp_hex);
+        snprintf(remote, rcap, "it serves model %.16s..., this stage serves %.16s...", s->fp_hex, hx);
         return KVS_ERR_MISMATCH;
     }
     if (o->n_block != s->hp.n_block || o->n_embd != s->n_embd) {
-        snprintf(msg, cap, "far end has n_block %u n_embd %u, this stage %u %u", o->n_block, o->n_embd,
+        snprintf(local, lcap, "it has n_block %u n_embd %u, this stage %u %u", o->n_block, o->n_embd,
                  s->hp.n_block, s->n_embd);
+        snprintf(remote, rcap, "it has n_block %u n_embd %u, this stage %u %u", s->hp.n_block, s->n_embd,
+                 o->n_block, o->n_embd);
         return KVS_ERR_MISMATCH;
     }
     if (o->n_ctx != (uint32_t)s->n_ctx) {
-        snprintf(msg, cap, "far end has n_ctx %u, this stage %d", o->n_ctx, (int)s->n_ctx);
+        snprintf(local, lcap, "it has n_ctx %u, this stage %d (all stages need the same --ctx)", o->n_ctx,
+                 (int)s->n_ctx);
+        snprintf(remote, rcap, "it has n_ctx %d, this stage %u (all stages need the same --ctx)", (int)s->n_ctx,
+                 o->n_ctx);
         return KVS_ERR_MISMATCH;
     }
     /* pred = the stage before; succ = the stage after */
@@ -316,7 +337,18 @@ static kvs_err check_hello(const struct kvs_stage *s, const struct kvs_hello *o,
     }
     bool ok = pb < pe && sb < se && (pe == sb || (pe == s->hp.n_block && sb == 0));
     if (!ok) {
-        snprintf(msg, cap, "window [%u,%u) is not adjacent to [%u,%u)", pb, pe, sb, se);
+        /* the predecessor's window must end where the successor's begins */
+        if (role == KVS_HELLO_ROLE_PRED) { /* this stage is the successor */
+            snprintf(local, lcap, "its window [%u,%u) does not end where this stage's [%u,%u) begins", pb, pe, sb,
+                     se);
+            snprintf(remote, rcap, "its window [%u,%u) does not begin where this stage's [%u,%u) ends", sb, se, pb,
+                     pe);
+        } else {
+            snprintf(local, lcap, "its window [%u,%u) does not begin where this stage's [%u,%u) ends", sb, se, pb,
+                     pe);
+            snprintf(remote, rcap, "its window [%u,%u) does not end where this stage's [%u,%u) begins", pb, pe, sb,
+                     se);
+        }
         return KVS_ERR_MISMATCH;
     }
     return KVS_OK;
@@ -337,9 +369,11 @@ static void drop_all(struct kvs_stage *s, kvs_err err, const char *msg)
 static void in_lost(struct kvs_stage *s, const char *why)
 {
     char msg[300];
-    snprintf(msg, sizeof msg, "stage [%d,%d) lost its predecessor %s: %s", (int)s->begin, (int)s->end,
-             s->in ? s->in->peer : "?", why);
-    KVS_LOGW("%s", msg);
+    snprintf(msg, sizeof msg, "stage [%d,%d) lost its predecessor %s: %s%s", (int)s->begin, (int)s->end,
+             s->in ? s->in->peer : "?", why, s->in_bye ? " (it shut down)" : "");
+    if (s->in_bye) KVS_LOGI("%s", msg); /* orderly: it said goodbye */
+    else KVS_LOGW("%s", msg);
+    s->in_bye = false;
     kvs_link_close(s->in);
     s->in = NULL;
     kvs_proto_decoder_reset(s->in_dec);
@@ -351,11 +385,13 @@ static void in_lost(struct kvs_stage *s, const char *why)
 
 static void out_lost(struct kvs_stage *s, const char *why)
 {
-    char msg[300];
-    snprintf(msg, sizeof msg, "stage [%d,%d) lost its successor %s: %s", (int)s->begin, (int)s->end,
-             s->next_addr, why);
-    if (s->out_state == OUT_UP) KVS_LOGW("%s", msg);
+    char msg[KVS_PROTO_MAX_ERRMSG + 1024];
+    snprintf(msg, sizeof msg, "stage [%d,%d) lost its successor %s: %s%s", (int)s->begin, (int)s->end,
+             s->next_addr, why, s->out_bye ? " (it shut down)" : "");
+    if (s->out_state == OUT_UP && !s->out_bye) KVS_LOGW("%s", msg);
+    else if (s->out_state == OUT_UP) KVS_LOGI("%s", msg); /* orderly: it said goodbye */
     else KVS_LOGD("%s", msg);
+    s->out_bye = false;
     bool was_up = s->out_state == OUT_UP;
     kvs_link_close(s->out);
     s->out = NULL;
@@ -401,6 +437,8 @@ static kvs_err forward(struct kvs_stage *s, const struct kvs_batch *b, float *ou
 }
 
 /* Tail: sample from logits for request q whose token will sit at pos; send TOKEN. */
+static void head_token(struct kvs_stage *s, uint32_t req_id, uint32_t pos, struct kvs_token_msg tm);
+
 static void tail_sample(struct kvs_stage *s, struct seq *q, const float *logits, int32_t pos)
 {
     int32_t id = kvs_sampler_sample(q->smp, logits);
@@ -414,8 +452,13 @@ static void tail_sample(struct kvs_stage *s, struct seq *q, const float *logits,
         kvs_sampler_accept(q->smp, id);
         if (q->generated >= q->max_tokens || pos >= s->n_ctx) finish = KVS_FINISH_LENGTH;
     }
-    met_add(s, &s->met.tokens_generated, 1);
+    if (!s->solo) met_add(s, &s->met.tokens_generated, 1); /* solo: counted once, by head_token */
     struct kvs_token_msg tm = { .token = id, .finish = finish };
+    if (s->solo) { /* a one-stage ring: the head is this stage */
+        if (finish) q->finished = true;
+        head_token(s, q->req, (uint32_t)pos, tm);
+        return;
+    }
     kvs_proto_put_token(s->sbuf + KVS_PROTO_HEADER_BYTES, &tm);
     struct kvs_frame_header h = { .kind = KVS_FRAME_TOKEN, .flags = finish ? KVS_FRAME_FLAG_FINISHED : 0,
                                   .req = q->req, .pos = (uint32_t)pos, .n_tokens = 1,
@@ -582,14 +625,13 @@ static void on_decode(struct kvs_stage *s, const struct kvs_frame *f)
     send_built(s, &h);
 }
 
-/* Head: a TOKEN came back from the tail. */
-static void on_token(struct kvs_stage *s, const struct kvs_frame *f)
+/* Head: token tm of request req, to sit at pos, came back from the tail (or
+ * was sampled here on a one-stage ring). */
+static void head_token(struct kvs_stage *s, uint32_t req_id, uint32_t pos, struct kvs_token_msg tm)
 {
     s->progress = kvs_link_now_ms();
-    struct seq *q = seq_find(s, f->h.req);
+    struct seq *q = seq_find(s, req_id);
     if (!q) return; /* cancelled or failed meanwhile */
-    struct kvs_token_msg tm;
-    kvs_proto_get_token(f, &tm);
     if (tm.token < 0 || (uint32_t)tm.token >= s->n_vocab) {
         uint32_t req = q->req;
         head_end(s, q, KVS_ERR_FORMAT, 0, "the tail sent a token id outside the vocabulary");
@@ -600,9 +642,9 @@ static void on_token(struct kvs_stage *s, const struct kvs_frame *f)
     if (tm.finish != KVS_FINISH_STOP) { /* a stop id is not part of the output */
         q->n_reported++;
         struct kvs_stage_event ev = { .kind = KVS_STAGE_EVENT_TOKEN, .req = q->req, .token = tm.token,
-                                      .pos = (int32_t)f->h.pos, .n_generated = q->n_reported };
+                                      .pos = (int32_t)pos, .n_generated = q->n_reported };
         q->cb(q->user, &ev);
-        q = seq_find(s, f->h.req); /* the callback may not free it, but be safe */
+        q = seq_find(s, req_id); /* the callback may not free it, but be safe */
         if (!q) return;
     }
     if (tm.finish) {
@@ -614,7 +656,15 @@ static void on_token(struct kvs_stage *s, const struct kvs_frame *f)
     q->has_next = true;
     q->decoding = true;
     q->next_tok = tm.token;
-    q->next_pos = (int32_t)f->h.pos;
+    q->next_pos = (int32_t)pos;
+}
+
+/* Head: a TOKEN came back from the tail. */
+static void on_token(struct kvs_stage *s, const struct kvs_frame *f)
+{
+    struct kvs_token_msg tm;
+    kvs_proto_get_token(f, &tm);
+    head_token(s, f->h.req, f->h.pos, tm);
 }
 
 static void on_end(struct kvs_stage *s, const struct kvs_frame *f)
@@ -635,9 +685,18 @@ static void on_error(struct kvs_stage *s, const struct kvs_frame *f)
     char msg[KVS_PROTO_MAX_ERRMSG + 1];
     kvs_proto_get_error(f, &code, msg, sizeof msg);
     kvs_err e = code > 0 && code < KVS_ERR_COUNT_ ? (kvs_err)code : KVS_ERR_PEER;
+    if (f->h.req == 0 && e == KVS_ERR_CANCELLED) {
+        /* goodbye (§5): the predecessor is shutting down; its EOF follows
+         * and in_lost tells the stages downstream, as for any lost link */
+        KVS_LOGI("predecessor %s says goodbye: %s", s->in ? s->in->peer : "?", msg);
+        s->in_bye = true;
+        return;
+    }
     if (s->is_head) {
         if (f->h.req == 0) {
-            KVS_LOGW("ring error: %s", msg);
+            /* a fault somewhere in the ring: a warning if it failed requests */
+            if (n_active(s) > 0) KVS_LOGW("ring error: %s", msg);
+            else KVS_LOGI("ring error (no request in flight): %s", msg);
             drop_all(s, e, msg);
         } else {
             struct seq *q = seq_find(s, f->h.req);
@@ -839,16 +898,33 @@ static void pend_read(struct kvs_stage *s, struct pending_link *pl)
         const struct kvs_frame *f = kvs_proto_decoder_frame(pl->dec);
         struct kvs_hello o;
         kvs_err ce = KVS_ERR_FORMAT;
-        if (f->h.kind == KVS_FRAME_HELLO) {
+        char rmsg[256];
+        bool hello = f->h.kind == KVS_FRAME_HELLO;
+        if (s->solo) {
+            snprintf(msg, sizeof msg, "this stage serves the whole model alone (a one-stage ring)");
+            snprintf(rmsg, sizeof rmsg, "it serves the whole model alone (a one-stage ring): no predecessor");
+            ce = KVS_ERR_MISMATCH;
+        } else if (hello) {
             kvs_proto_get_hello(f, &o);
-            ce = check_hello(s, &o, KVS_HELLO_ROLE_PRED, msg, sizeof msg);
+            ce = check_hello(s, &o, KVS_HELLO_ROLE_PRED, msg, sizeof msg, rmsg, sizeof rmsg);
         } else {
             snprintf(msg, sizeof msg, "first frame is %s, expected HELLO", kvs_frame_kind_name(f->h.kind));
+            snprintf(rmsg, sizeof rmsg, "it expected HELLO as the first frame, not %s",
+                     kvs_frame_kind_name(f->h.kind));
         }
         if (ce) {
-            KVS_LOGW("refusing link from %s: %s", pl->l->peer, msg);
+            char full[sizeof s->in_refusal];
+            snprintf(full, sizeof full, "refusing predecessor %s: %s", pl->l->peer, msg);
+            KVS_LOGW("%s", full);
             met_add(s, &s->met.frames_rejected, 1);
-            refuse(pl->l, ce, msg);
+            refuse(pl->l, ce, rmsg);
+            if (hello) { /* a stage that does not fit: the ring cannot close with it */
+                pthread_mutex_lock(&s->mu);
+                s->in_refusal_code = ce;
+                snprintf(s->in_refusal, sizeof s->in_refusal, "%s", full);
+                pthread_mutex_unlock(&s->mu);
+                pthread_cond_broadcast(&s->cv);
+            }
             pend_close(pl);
             return;
         }
@@ -859,6 +935,10 @@ static void pend_read(struct kvs_stage *s, struct pending_link *pl)
             return;
         }
         if (s->in) in_lost(s, "replaced by a new link");
+        pthread_mutex_lock(&s->mu);
+        s->in_refusal_code = KVS_OK;
+        s->in_refusal[0] = '\0';
+        pthread_mutex_unlock(&s->mu);
         s->in = pl->l;
         pl->l = NULL;
         kvs_proto_decoder_reset(s->in_dec);
@@ -872,12 +952,39 @@ static void pend_read(struct kvs_stage *s, struct pending_link *pl)
     }
 }
 
+/* The successor refused this stage (or its HELLO does not fit): a
+ * configuration error that re-dialing will not fix until someone restarts a
+ * stage. Logged as an error at every attempt, re-dialed with a growing
+ * backoff (1, 2, 4 .. 16 s), and kept as the reason the ring cannot close
+ * (requests fail with it, kvs_stage_wait_ready returns it). */
+static void out_refused(struct kvs_stage *s, kvs_err code, const char *msg)
+{
+    int shift = s->out_refused < 4 ? s->out_refused : 4;
+    int64_t backoff = (int64_t)1000 << shift;
+    if (backoff > REFUSED_BACKOFF_MAX_MS) backoff = REFUSED_BACKOFF_MAX_MS;
+    s->out_refused++;
+    KVS_LOGE("%s (attempt %d, retrying in %d s)", msg, s->out_refused, (int)(backoff / 1000));
+    met_add(s, &s->met.frames_rejected, 1);
+    pthread_mutex_lock(&s->mu);
+    s->out_refusal_code = code ? code : KVS_ERR_MISMATCH;
+    snprintf(s->out_refusal, sizeof s->out_refusal, "%s", msg);
+    pthread_mutex_unlock(&s->mu);
+    out_lost(s, msg);
+    s->out_next_dial = kvs_link_now_ms() + backoff;
+    pthread_cond_broadcast(&s->cv);
+}
+
 static void dial_next(struct kvs_stage *s)
 {
     char err[256];
     struct kvs_link *l;
     kvs_err e = kvs_tcp_dial(s->next_addr, 500, &l, err, sizeof err);
     if (e) {
+        pthread_mutex_lock(&s->mu);
+        s->out_refusal_code = KVS_OK;
+        s->out_refusal[0] = '\0';
+        pthread_mutex_unlock(&s->mu);
+        s->out_refused = 0;
         if (!s->out_warned && s->out_attempt >= 20) {
             KVS_LOGW("still cannot reach the successor: %s (retrying)", err);
             s->out_warned = true;
@@ -927,22 +1034,38 @@ static void out_read(struct kvs_stage *s)
             uint32_t code;
             char m2[KVS_PROTO_MAX_ERRMSG + 1];
             kvs_proto_get_error(f, &code, m2, sizeof m2);
-            snprintf(msg, sizeof msg, "successor %s refused this stage: %s", s->next_addr, m2);
-            KVS_LOGW("%s", msg);
-            out_lost(s, msg);
+            kvs_err ce = code > 0 && code < KVS_ERR_COUNT_ ? (kvs_err)code : KVS_ERR_PEER;
+            if (s->out_state == OUT_HANDSHAKE) {
+                snprintf(msg, sizeof msg, "successor %s refused this stage: %s", s->next_addr, m2);
+                out_refused(s, ce, msg);
+            } else if (f->h.req == 0 && ce == KVS_ERR_CANCELLED) {
+                KVS_LOGI("successor %s says goodbye: %s", s->next_addr, m2);
+                s->out_bye = true;
+                out_lost(s, "it said goodbye");
+            } else {
+                snprintf(msg, sizeof msg, "the successor closed the link: %s", m2);
+                KVS_LOGW("%s", msg);
+                out_lost(s, msg);
+            }
             return;
         }
         if (s->out_state == OUT_HANDSHAKE && f->h.kind == KVS_FRAME_HELLO) {
             struct kvs_hello o;
             kvs_proto_get_hello(f, &o);
-            kvs_err ce = check_hello(s, &o, KVS_HELLO_ROLE_SUCC, msg, sizeof msg);
+            char rmsg[256], m3[256];
+            kvs_err ce = check_hello(s, &o, KVS_HELLO_ROLE_SUCC, m3, sizeof m3, rmsg, sizeof rmsg);
             if (ce) {
-                KVS_LOGW("successor %s does not fit: %s", s->next_addr, msg);
-                out_lost(s, msg);
+                snprintf(msg, sizeof msg, "successor %s does not fit this stage: %s", s->next_addr, m3);
+                out_refused(s, ce, msg);
                 return;
             }
             s->out_state = OUT_UP;
             s->out_attempt = 0;
+            s->out_refused = 0;
+            pthread_mutex_lock(&s->mu);
+            s->out_refusal_code = KVS_OK;
+            s->out_refusal[0] = '\0';
+            pthread_mutex_unlock(&s->mu);
             s->out_warned = false;
             s->out_last_write = kvs_link_now_ms();
             KVS_LOGI("successor [%u,%u) connected at %s", o.block_begin, o.block_end, s->next_addr);
@@ -1004,11 +1127,52 @@ static void in_read(struct kvs_stage *s)
 
 /* --- head: admission, prefill, batched decode ------------------------------------ */
 
+/* One-stage ring: the whole model here; prompt forward, sample locally. */
+static void solo_start(struct kvs_stage *s, struct queued *w, struct seq *q)
+{
+    const struct kvs_sampler_params *sp = &w->r.sampling;
+    if (kvs_sampler_create(sp, (int32_t)s->n_vocab, &q->smp)) {
+        head_end(s, q, KVS_ERR_NOMEM, 0, "cannot create a sampler");
+        return;
+    }
+    uint32_t n = (uint32_t)w->r.n_prompt;
+    for (uint32_t i = 0; i < n; i++) kvs_sampler_accept(q->smp, w->prompt[i]);
+    q->max_tokens = (uint32_t)w->r.max_tokens;
+    q->ignore_eos = w->r.ignore_eos;
+    q->n_stop = (uint32_t)w->r.n_stop_ids;
+    memcpy(q->stop, w->stop, sizeof q->stop);
+    met_add(s, &s->met.requests_started, 1);
+    int32_t slot = seq_slot(s, q);
+    for (uint32_t c = 0; c < n; c += (uint32_t)s->n_batch) {
+        uint32_t cnt = n - c < (uint32_t)s->n_batch ? n - c : (uint32_t)s->n_batch;
+        for (uint32_t i = 0; i < cnt; i++) {
+            s->b_seq[i] = slot;
+            s->b_pos[i] = (int32_t)(c + i);
+        }
+        /* logits NULL: the chunk's last row only (used after the last chunk) */
+        struct kvs_batch b = { .n_tokens = (int32_t)cnt, .token = w->prompt + c, .seq = s->b_seq,
+                               .pos = s->b_pos };
+        kvs_err e = forward(s, &b, s->y);
+        if (e) {
+            char msg[128];
+            snprintf(msg, sizeof msg, "forward on the prompt failed: %s", kvs_strerror(e));
+            head_end(s, q, e, 0, msg);
+            return;
+        }
+        met_add(s, &s->met.prefill_tokens, cnt);
+    }
+    tail_sample(s, q, s->y, (int32_t)n);
+}
+
 static void head_start(struct kvs_stage *s, struct queued *w)
 {
     struct seq *q = seq_alloc(s, w->req);
     q->cb = w->r.on_event;
     q->user = w->r.user;
+    if (s->solo) {
+        solo_start(s, w, q);
+        return;
+    }
     struct kvs_req_params rp = { .temp = w->r.sampling.temp, .top_k = w->r.sampling.top_k,
                                  .top_p = w->r.sampling.top_p, .min_p = w->r.sampling.min_p,
                                  .repeat_penalty = w->r.sampling.repeat_penalty,
@@ -1110,8 +1274,11 @@ static void head_admit(struct kvs_stage *s)
         ready = s->met.ring_ready;
         pthread_mutex_unlock(&s->mu);
         if (!ready) {
-            struct kvs_stage_event ev = { .kind = KVS_STAGE_EVENT_ERROR, .req = w->req, .err = KVS_ERR_PEER,
-                                          .message = "the ring is not complete" };
+            char reason[sizeof s->out_refusal], why[sizeof reason + 32];
+            kvs_err re = kvs_stage_ring_error(s, reason, sizeof reason);
+            snprintf(why, sizeof why, "the ring is not complete%s%s", re ? ": " : "", re ? reason : "");
+            struct kvs_stage_event ev = { .kind = KVS_STAGE_EVENT_ERROR, .req = w->req,
+                                          .err = re ? re : KVS_ERR_PEER, .message = why };
             met_add(s, &s->met.requests_failed, 1);
             w->r.on_event(w->r.user, &ev);
             free_queued(w);
@@ -1172,7 +1339,9 @@ static void head_decode_group(struct kvs_stage *s, int32_t g, int32_t G)
         n++;
     }
     if (n == 0) return;
-    struct kvs_batch b = { .n_tokens = n, .token = s->b_tok, .seq = s->b_seq, .pos = s->b_pos };
+    for (int32_t k = 0; k < n; k++) s->b_logits[k] = 1; /* used on a one-stage ring (the tail's rows) */
+    struct kvs_batch b = { .n_tokens = n, .token = s->b_tok, .seq = s->b_seq, .pos = s->b_pos,
+                           .logits = s->solo ? s->b_logits : NULL };
     kvs_err e = forward(s, &b, s->y);
     if (e) {
         char msg[128];
@@ -1185,6 +1354,13 @@ static void head_decode_group(struct kvs_stage *s, int32_t g, int32_t G)
         return;
     }
     met_add(s, &s->met.decode_rows, (uint64_t)n);
+    if (s->solo) {
+        for (int32_t k = 0; k < n; k++) {
+            struct seq *q = seq_find(s, s->b_req[k]);
+            if (q) tail_sample(s, q, s->y + (size_t)k * s->n_vocab, s->b_pos[k] + 1);
+        }
+        return;
+    }
     uint8_t *p = s->sbuf + KVS_PROTO_HEADER_BYTES;
     for (int32_t k = 0; k < n; k++) {
         kvs_proto_put_u32(p + 8 * k, s->b_req[k]);
@@ -1221,7 +1397,7 @@ static void timers(struct kvs_stage *s)
         snprintf(why, sizeof why, "silent for %d ms", (int)(now - s->in_last_read));
         in_lost(s, why);
     }
-    if (s->out_state == OUT_DOWN && now >= s->out_next_dial) dial_next(s);
+    if (s->out_state == OUT_DOWN && now >= s->out_next_dial && !s->solo) dial_next(s);
     if (s->out_state == OUT_HANDSHAKE && now - s->out_since > HANDSHAKE_MS) out_lost(s, "no HELLO reply");
     if (s->out_state == OUT_UP) {
         if (s->is_head && now - s->probe_sent >= s->p.keepalive_ms) {
@@ -1245,13 +1421,30 @@ static void timers(struct kvs_stage *s)
     met_update(s);
 }
 
+/* Goodbye (PROTOCOL.md §5): ERROR (req 0, CANCELLED) on both links, so the
+ * neighbours take the EOF that follows as an orderly shutdown. Best effort,
+ * bounded by BYE_WRITE_MS per link. */
+static void say_goodbye(struct kvs_stage *s)
+{
+    uint8_t buf[KVS_PROTO_HEADER_BYTES + 4 + KVS_PROTO_MAX_ERRMSG];
+    char msg[96];
+    snprintf(msg, sizeof msg, "stage [%d,%d) is shutting down", (int)s->begin, (int)s->end);
+    size_t n = kvs_proto_put_error(buf + KVS_PROTO_HEADER_BYTES, (uint32_t)KVS_ERR_CANCELLED, msg);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_ERROR, .payload_len = (uint32_t)n };
+    kvs_proto_put_header(buf, &h);
+    if (s->out && s->out_state == OUT_UP) (void)kvs_link_write(s->out, buf, KVS_PROTO_HEADER_BYTES + n, BYE_WRITE_MS);
+    if (s->in) (void)kvs_link_write(s->in, buf, KVS_PROTO_HEADER_BYTES + n, BYE_WRITE_MS);
+}
+
 /* --- public ------------------------------------------------------------------------ */
 
 kvs_err kvs_stage_run(struct kvs_stage *s)
 {
-    KVS_LOGI("stage [%d,%d) of %u blocks listening on %s (port %u), next %s%s%s", (int)s->begin, (int)s->end,
-             s->hp.n_block, s->listen_addr, kvs_stage_listen_port(s), s->next_addr, s->is_head ? ", head" : "",
-             s->is_tail ? ", tail" : "");
+    KVS_LOGI("stage [%d,%d) of %u blocks (ctx %d, %d seqs, %s boundaries) listening on %s (port %u), next %s%s%s",
+             (int)s->begin, (int)s->end, s->hp.n_block, (int)s->n_ctx, (int)s->n_seq,
+             s->p.boundary_f32 ? "f32" : "f16", s->listen_addr, kvs_stage_listen_port(s),
+             s->solo ? "(none)" : s->next_addr, s->is_head ? ", head" : "", s->is_tail ? ", tail" : "");
+    if (s->solo) KVS_LOGI("stage [%d,%d) holds the whole model: a one-stage ring, no links", (int)s->begin, (int)s->end);
     for (;;) {
         bool stop = false;
         struct pollfd pf[5 + MAX_PENDING_LINKS];
@@ -1277,7 +1470,10 @@ kvs_err kvs_stage_run(struct kvs_stage *s)
                 pf[np++] = (struct pollfd){ .fd = kvs_link_fd(s->pend[i].l), .events = POLLIN };
             }
         }
-        int r = poll(pf, (nfds_t)np, s->admit_more ? 0 : 100);
+        bool busy = s->admit_more;
+        if (s->solo) /* one-stage ring: sampled tokens wait to be fed, no frame will wake the loop */
+            for (int32_t i = 0; i < s->n_seq && !busy; i++) busy = s->seqs[i].used && s->seqs[i].has_next;
+        int r = poll(pf, (nfds_t)np, busy ? 0 : 100);
         s->admit_more = false;
         if (r < 0 && errno != EINTR) return KVS_ERR_IO;
         if (r > 0) {
@@ -1303,10 +1499,12 @@ kvs_err kvs_stage_run(struct kvs_stage *s)
         timers(s);
     }
     KVS_LOGI("stage [%d,%d) stopping", (int)s->begin, (int)s->end);
+    say_goodbye(s);
     /* Nothing is served any more: end every request the head holds. */
     pthread_mutex_lock(&s->mu);
     s->stopped = true;
     pthread_mutex_unlock(&s->mu);
+    pthread_cond_broadcast(&s->cv); /* kvs_stage_wait_ready returns */
     if (s->is_head) {
         drop_all(s, KVS_ERR_CANCELLED, "the head stage stopped");
         for (;;) {
@@ -1347,13 +1545,13 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
     if (s->p.timeout_ms <= 0) s->p.timeout_ms = 4000;
     if (s->p.keepalive_ms <= 0) s->p.keepalive_ms = 1000;
     s->next_req = 1;
-    if (!p->model_path || !p->listen || !p->next) {
-        snprintf(err, sizeof err, "a stage needs a model, a listen address and a next address");
+    if (!p->model_path || !p->listen) {
+        snprintf(err, sizeof err, "a stage needs a model and a listen address");
         e = KVS_ERR_ARG;
         goto fail;
     }
     snprintf(s->listen_addr, sizeof s->listen_addr, "%s", p->listen);
-    snprintf(s->next_addr, sizeof s->next_addr, "%s", p->next);
+    snprintf(s->next_addr, sizeof s->next_addr, "%s", p->next ? p->next : "");
     s->p.listen = s->listen_addr;
     s->p.next = s->next_addr;
     s->p.model_path = NULL;
@@ -1400,9 +1598,12 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
     s->n_vocab = s->hp.n_vocab;
     s->is_head = kvs_model_has_embd(s->m);
     s->is_tail = kvs_model_has_head(s->m);
-    if (s->is_head && s->is_tail) {
-        snprintf(err, sizeof err, "window [%d,%d) is the whole model: a ring needs at least two stages",
-                 (int)s->begin, (int)s->end);
+    /* The whole model: a one-stage ring. The head is its own tail and
+     * samples locally; no link is dialed and predecessors are refused. */
+    s->solo = s->is_head && s->is_tail;
+    if (!s->solo && !s->next_addr[0]) {
+        snprintf(err, sizeof err, "stage [%d,%d) of %u blocks needs a next address (its successor)", (int)s->begin,
+                 (int)s->end, s->hp.n_block);
         e = KVS_ERR_ARG;
         goto fail;
     }
@@ -1574,6 +1775,12 @@ kvs_err kvs_stage_wait_ready(struct kvs_stage *s, int timeout_ms)
     int64_t deadline = kvs_link_now_ms() + timeout_ms;
     pthread_mutex_lock(&s->mu);
     while (!s->met.ring_ready) {
+        if (s->stopped || s->out_refusal_code || s->in_refusal_code) {
+            kvs_err e = s->stopped ? KVS_ERR_CANCELLED : s->out_refusal_code ? s->out_refusal_code
+                                                                              : s->in_refusal_code;
+            pthread_mutex_unlock(&s->mu);
+            return e;
+        }
         int64_t left = deadline - kvs_link_now_ms();
         if (left <= 0) {
             pthread_mutex_unlock(&s->mu);
@@ -1591,6 +1798,26 @@ kvs_err kvs_stage_wait_ready(struct kvs_stage *s, int timeout_ms)
     }
     pthread_mutex_unlock(&s->mu);
     return KVS_OK;
+}
+
+kvs_err kvs_stage_ring_error(struct kvs_stage *s, char *buf, size_t cap)
+{
+    pthread_mutex_lock(&s->mu);
+    kvs_err e = KVS_OK;
+    const char *m = "";
+    if (s->stopped) {
+        e = KVS_ERR_CANCELLED;
+        m = "the stage stopped";
+    } else if (s->out_refusal_code) {
+        e = s->out_refusal_code;
+        m = s->out_refusal;
+    } else if (s->in_refusal_code) {
+        e = s->in_refusal_code;
+        m = s->in_refusal;
+    }
+    if (buf && cap) snprintf(buf, cap, "%s", m);
+    pthread_mutex_unlock(&s->mu);
+    return e;
 }
 
 void kvs_stage_metrics(struct kvs_stage *s, struct kvs_stage_metrics *m)
@@ -1622,5 +1849,9 @@ kvs_err kvs_stage_params_from_manifest(const struct kvs_manifest *mf, int32_t ra
     p->listen = k->listen;
     p->next = k->next;
     if (k->threads > 0) p->n_threads = (int32_t)k->threads;
+    /* the serving targets the plan was made for (docs/MANIFEST.md) */
+    if (mf->ctx > 0) p->n_ctx = (int32_t)mf->ctx;
+    if (mf->seqs > 0) p->n_seq = (int32_t)mf->seqs;
+    if (mf->boundary_bytes) p->boundary_f32 = mf->boundary_bytes == 4;
     return KVS_OK;
 }

@@ -35,7 +35,7 @@ struct kvs_stage_params {
     int32_t block_begin;      /* window [begin, end); end -1 = n_block */
     int32_t block_end;
     const char *listen;       /* "HOST:PORT" to accept the predecessor on (port 0: any free port) */
-    const char *next;         /* "HOST:PORT" of the successor */
+    const char *next;         /* "HOST:PORT" of the successor (NULL allowed for a whole-model window) */
     int32_t n_threads;        /* compute threads (default 2) */
     int32_t n_ctx;            /* positions per sequence, 0 = model default; all stages must agree */
     int32_t n_seq;            /* sequence slots (default 4) */
@@ -57,8 +57,10 @@ struct kvs_stage; /* opaque */
 /* Loads the window, opens the listening socket and prepares every buffer
  * (the loop allocates only when a request starts). Errors: those of
  * kvs_gguf_open / kvs_model_load / kvs_tcp_listen, KVS_ERR_MISMATCH (the file's
- * fingerprint is not params->fingerprint), KVS_ERR_ARG (a window of the whole
- * model: a ring needs at least two stages). errbuf gets a message. */
+ * fingerprint is not params->fingerprint), KVS_ERR_ARG (no next address for a
+ * stage that is not the whole model). A window of the whole model is a
+ * one-stage ring: the head samples locally, dials nothing, refuses
+ * predecessors (next is ignored). errbuf gets a message. */
 kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **out, char *errbuf, size_t errlen);
 /* Stops (if running: call kvs_stage_stop and join first), closes links, frees. NULL allowed. */
 void kvs_stage_free(struct kvs_stage *s);
@@ -124,8 +126,18 @@ kvs_err kvs_stage_cancel(struct kvs_stage *s, uint32_t req);
 /* True when both links are up and a ring probe returned within the timeout
  * (head); for other stages, when both links are up. */
 bool kvs_stage_ring_ready(struct kvs_stage *s);
-/* Blocks until ring_ready or timeout_ms passes (KVS_ERR_TIMEOUT). */
+/* Blocks until ring_ready (KVS_OK) or timeout_ms passes (KVS_ERR_TIMEOUT).
+ * Returns early when the ring cannot close: a neighbour's handshake was
+ * refused (its code, usually KVS_ERR_MISMATCH; kvs_stage_ring_error says
+ * why), or the loop stopped (KVS_ERR_CANCELLED). */
 kvs_err kvs_stage_wait_ready(struct kvs_stage *s, int timeout_ms);
+/* Why the ring cannot close, if this stage knows: the loop stopped
+ * (KVS_ERR_CANCELLED, first), the successor refused this stage or does not
+ * fit it, or this stage refused its predecessor (a configuration error:
+ * model, window, n_ctx or version). buf gets the message, "" and KVS_OK when none. A
+ * refusal is kept until the link comes up, or the refusing successor can no
+ * longer be reached. Thread-safe. */
+kvs_err kvs_stage_ring_error(struct kvs_stage *s, char *buf, size_t cap);
 
 struct kvs_stage_metrics {
     bool ring_ready;
@@ -173,8 +185,9 @@ int kvs_stage_ring_stats(struct kvs_stage *s, struct kvs_stage_hop *out, int cap
 
 struct kvs_manifest;
 /* Fills the model/window/link/threads fields of p from rank `rank` of a
- * manifest read by kvs_manifest_load (strings borrowed from mf, which must
- * outlive p's use). Errors: KVS_ERR_NOT_FOUND (no such rank), KVS_ERR_ARG (the
+ * manifest read by kvs_manifest_load, and n_ctx / n_seq / boundary_f32 from
+ * its targets when present (strings borrowed from mf, which must outlive p's
+ * use). Errors: KVS_ERR_NOT_FOUND (no such rank), KVS_ERR_ARG (the
  * manifest names no local model path). */
 kvs_err kvs_stage_params_from_manifest(const struct kvs_manifest *mf, int32_t rank, struct kvs_stage_params *p);
 
