@@ -88,9 +88,13 @@ sleep 0.3
 timeout 15 "$BIN" stage -m "$M" --window 0:1 --listen "$(a 0)" --next "$(a 2)" -p hi >"$tmp/b.out" 2>"$tmp/b.log"
 rc=$?
 [[ $rc == 1 ]] || fail "B: head -p exited $rc, expected 1"
-why="successor $(a 2) refused this stage: it serves model e33cad4367f80c3f..., this stage serves fc0844a25fffa941..."
+# the 16-hex-digit fingerprint prefixes, as `gguf info` computes them
+fpm=$("$BIN" gguf info "$M" | sed -n 's/^fingerprint: \([0-9a-f]\{16\}\).*/\1/p')
+fpl=$("$BIN" gguf info "$L" | sed -n 's/^fingerprint: \([0-9a-f]\{16\}\).*/\1/p')
+[[ ${#fpm} == 16 && ${#fpl} == 16 && $fpm != "$fpl" ]] || fail "B: fingerprints from gguf info: '$fpm' '$fpl'"
+why="successor $(a 2) refused this stage: it serves model $fpl..., this stage serves $fpm..."
 grep -qF "kvasir: the ring cannot close: $why" "$tmp/b.log" || fail "B: reason not phrased from the head's side"
-grep -qF "it serves model fc0844a25fffa941..., this stage serves e33cad4367f80c3f..." "$tmp/llama.log" ||
+grep -qF "it serves model $fpm..., this stage serves $fpl..." "$tmp/llama.log" ||
   fail "B: the refusing stage's own reason"
 echo "ok: B: $why"
 term "$ll" "B: refusing stage"
