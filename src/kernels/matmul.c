@@ -2,10 +2,16 @@
  *
  * Recipe (gguf-facts §2.5): each activation row is converted once to the
  * weight type's vec_dot type, then every output is one vec_dot of a weight
- * row with an activation row. Rows of W are split into one contiguous chunk
- * per thread. For n_tok > 1 each weight row is loaded once and used for all
- * tokens (4 at a time through the ISA's dot4 kernel when it has one), so a
- * prefill streams the weights once instead of n_tok times. */
+ * row with an activation row.
+ *
+ * Two paths. When the ISA has a register-blocked GEMM for the weight type
+ * (AVX-512: Q8_0, Q4_0), the activations are quantized into the GEMM's packed
+ * layout and the kernel computes tiles of rows x tokens, for decode (one
+ * token) and prefill alike; the rows are split into per-thread home ranges
+ * with stealing (below). Otherwise rows are split into one contiguous chunk
+ * per thread and each weight row is loaded once for all tokens (4 at a time
+ * through the ISA's dot4 kernel when it has one), so a prefill streams the
+ * weights once instead of n_tok times. */
 #include <stdatomic.h>
 
 #include "kernels/kernels_impl.h"

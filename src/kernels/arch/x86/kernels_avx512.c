@@ -4,7 +4,9 @@
  *
  * The shared x86 kernels (kernels_x86_impl.h) compile here with VNNI for
  * their u8 x s8 dot step. Q8_0 and Q4_0 -- the decode-critical types -- get
- * 512-bit versions below that handle two 32-element blocks per register. */
+ * 512-bit versions below that handle two 32-element blocks per register, and
+ * a register-blocked GEMM (tiles of 4 rows x 4 tokens over a packed
+ * activation layout) that matmul uses for both decode and prefill. */
 #include "kernels/arch/x86/kernels_x86_impl.h"
 
 #pragma GCC diagnostic ignored "-Woverride-init"
