@@ -578,8 +578,12 @@ static enum MHD_Result handle_generate(struct kvs_api *a, struct MHD_Connection 
     if (kvs_api_parse_request(kind, body, len, &j->rq, &err)) goto reject;
     if (build_prompt(a, j, &ids, &n_ids, &err)) goto reject;
     if (!kvs_stage_ring_ready(a->head)) {
-        kvs_api_error_set(&err, 503, "server_error", NULL, "ring_unavailable",
-                          "the ring is not ready: a stage is down or still connecting; retry later");
+        char why[256], msg[400];
+        if (kvs_stage_ring_error(a->head, why, sizeof why) != KVS_OK && why[0])
+            snprintf(msg, sizeof msg, "the ring cannot close: %s", why);
+        else
+            snprintf(msg, sizeof msg, "the ring is not ready: a stage is down or still connecting; retry later");
+        kvs_api_error_set(&err, 503, "server_error", NULL, "ring_unavailable", msg);
         goto reject;
     }
 
@@ -702,9 +706,12 @@ static enum MHD_Result handle_health(struct kvs_api *a, struct MHD_Connection *c
     struct kvs_stage_metrics m;
     kvs_stage_metrics(a->head, &m);
     bool ok = kvs_stage_ring_ready(a->head);
+    char why[256] = "";
+    if (!ok && (kvs_stage_ring_error(a->head, why, sizeof why) == KVS_OK || !why[0]))
+        snprintf(why, sizeof why, "the ring is not whole");
     json_t *o = ok ? json_pack("{s:s}", "status", "ok")
                    : json_pack("{s:s, s:b, s:b, s:s}", "status", "unavailable", "in_link", m.in_up, "out_link",
-                               m.out_up, "reason", "the ring is not whole");
+                               m.out_up, "reason", why);
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     return send_json(c, ok ? 200 : 503, s);

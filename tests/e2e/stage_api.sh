@@ -34,3 +34,23 @@ if "$BIN" stage -m "$T/s24.gguf" --window 1:3 --listen 127.0.0.1:$(free_port) --
 fi
 grep -q 'shard holds blocks \[2,4) but the stage needs \[1,3)' "$T/err" || { echo "FAIL: unclear error: $(cat "$T/err")"; exit 1; }
 echo "stage refuses a mismatched shard: OK"
+
+# A head whose successor serves another model: /health and requests say why.
+L=${KVASIR_SHARED}/models/llama-f32.gguf
+Q0=$(free_port); Q1=$(free_port); QA=$(free_port)
+"$BIN" stage -m "$L" --window 2:4 --listen 127.0.0.1:$Q1 --next 127.0.0.1:$(free_port) 2>/dev/null & pids+=($!)
+"$BIN" stage -m "$M" --window 0:2 --listen 127.0.0.1:$Q0 --next 127.0.0.1:$Q1 --api $QA 2>/dev/null & pids+=($!)
+for _ in $(seq 50); do
+  h=$(curl -s http://127.0.0.1:$QA/health || true)
+  case "$h" in *"refused this stage: it serves model"*) break ;; esac
+  sleep 0.1
+done
+case "$h" in
+  *'"status":"unavailable"'*"successor 127.0.0.1:$Q1 refused this stage: it serves model"*) ;;
+  *) echo "FAIL: /health does not say why the ring cannot close: $h"; exit 1 ;;
+esac
+r=$(curl -s -w ' %{http_code}' http://127.0.0.1:$QA/v1/completions -d '{"prompt":"hi"}')
+case "$r" in
+  *'"code":"ring_unavailable"'*"the ring cannot close: successor"*" 503") echo "refusal reason reaches the API: OK" ;;
+  *) echo "FAIL: completion during a refusal: $r"; exit 1 ;;
+esac
