@@ -660,8 +660,9 @@ static void ffn_moe(struct kvs_model *m, const struct block_w *w, int32_t n)
         g.data = (const uint8_t *)g.data + (size_t)e * w->gate_x_stride;
         u.data = (const uint8_t *)u.data + (size_t)e * w->up_x_stride;
         d.data = (const uint8_t *)d.data + (size_t)e * w->down_x_stride;
-        kvs_matmul(m->k, m->pool, &g, m->moe_in, cnt, m->ffa, m->mm_scratch);
-        kvs_matmul(m->k, m->pool, &u, m->moe_in, cnt, m->ffb, m->mm_scratch);
+        const struct kvs_matrix *gu[2] = { &g, &u };
+        float *const gu_out[2] = { m->ffa, m->ffb };
+        kvs_matmul_multi(m->k, m->pool, 2, gu, m->moe_in, cnt, gu_out, m->mm_scratch);
         swiglu(m, m->ffa, m->ffb, (size_t)cnt * (size_t)Fe);
         kvs_matmul(m->k, m->pool, &d, m->ffa, cnt, m->tmp, m->mm_scratch);
         for (int32_t r = 0; r < cnt; r++) {
