@@ -34,6 +34,7 @@ size_t kvs_matmul_scratch_bytes(enum kvs_type type, int64_t K, int64_t n_tok)
  * packed in one word (row offsets < 2^31) and claimed with compare-exchange. */
 #define KVS_MM_MAX_RANGES 64
 #define KVS_MM_MAX_MATS 4
+#define KVS_MM_TOKEN_BLOCK 64
 struct kvs_mm_range {
     _Alignas(64) _Atomic uint64_t fb; /* front << 32 | back */
 };
@@ -95,8 +96,16 @@ static void kvs_mm_gemm_span(const struct kvs_mm_job *j, int64_t c0, int64_t c1)
         const int64_t e = c1 < j->off[m + 1] ? c1 : j->off[m + 1];
         const struct kvs_matrix *W = j->mats[m];
         const int64_t r = c0 - j->off[m] + (m == 0 ? j->row_begin : 0);
-        j->gemm(W->ne0, (const char *)W->data + (size_t)r * W->row_bytes, W->row_bytes, e - c0, j->act,
-                j->act_row, j->n_tok, j->ys[m] + (c0 - j->off[m]), (size_t)(j->off[m + 1] - j->off[m]));
+        const size_t ny = (size_t)(j->off[m + 1] - j->off[m]);
+        /* Long prompts: blocks of tokens, so that the chunk's weights and one
+         * block's activations stay in L2 while every row tile of the chunk
+         * passes over the block. */
+        for (int64_t t = 0; t < j->n_tok; t += KVS_MM_TOKEN_BLOCK) {
+            const int64_t nt = j->n_tok - t < KVS_MM_TOKEN_BLOCK ? j->n_tok - t : KVS_MM_TOKEN_BLOCK;
+            j->gemm(W->ne0, (const char *)W->data + (size_t)r * W->row_bytes, W->row_bytes, e - c0,
+                    (const char *)j->act + (size_t)t * j->act_row, j->act_row, nt,
+                    j->ys[m] + (size_t)t * ny + (size_t)(c0 - j->off[m]), ny);
+        }
         c0 = e;
     }
 }

@@ -363,7 +363,7 @@ static void test_matmul_multi(void **state)
 {
     (void)state;
     const struct kvs_kernels *k = kvs_kernels_best();
-    const int64_t K = 352, rows[3] = {36, 8, 20}, TMAX = 5;
+    const int64_t K = 352, rows[3] = {36, 8, 20}, TMAX = 69; /* > one 64-token block */
     static const enum kvs_type sets[][3] = {
         {KVS_TYPE_Q8_0, KVS_TYPE_Q8_0, KVS_TYPE_Q8_0},
         {KVS_TYPE_Q4_0, KVS_TYPE_Q4_0, KVS_TYPE_Q4_0},
@@ -394,13 +394,27 @@ static void test_matmul_multi(void **state)
             float *x = malloc((size_t)(K * TMAX) * 4);
             void *scratch = malloc(scratch_bytes);
             random_acts(x, K * TMAX);
-            for (int64_t T = 1; T <= TMAX; T += 4) {
+            static const int64_t toks[] = {1, 5, 69};
+            for (size_t ti = 0; ti < sizeof toks / sizeof toks[0]; ti++) {
+                const int64_t T = toks[ti];
                 kvs_matmul_multi(k, pool, 3, Wp, x, T, y1, scratch);
                 for (int i = 0; i < 3; i++) {
                     kvs_matmul(k, pool, &W[i], x, T, y2[i], scratch);
                     assert_memory_equal(y1[i], y2[i], (size_t)(rows[i] * T) * 4);
                 }
             }
+            /* and against the scalar reference, every token of the long batch */
+            const struct kvs_kernels *ref = kvs_kernels_get(KVS_ISA_SCALAR);
+            enum kvs_type vt = kvs_vec_dot_type(sets[si][0]);
+            uint8_t *a = malloc(kvs_type_row_bytes(vt, K));
+            for (int64_t tt = 0; tt < TMAX; tt++) {
+                kvs_quantize_act(ref, vt, x + tt * K, a, K);
+                for (int64_t r = 0; r < rows[0]; r++) {
+                    float want = kvs_vec_dot(ref, sets[si][0], K, w[0] + (size_t)r * W[0].row_bytes, a);
+                    assert_true(fabsf(y1[0][tt * rows[0] + r] - want) <= 1e-4f * (fabsf(want) + 1.0f));
+                }
+            }
+            free(a);
             for (int i = 0; i < 3; i++)
                 free(w[i]), free(y1[i]), free(y2[i]);
             free(x), free(scratch);
