@@ -379,6 +379,24 @@ static void kvs_avx512_gemm_q4_0(int64_t n, const void *w, size_t w_stride, int6
 
 /* --- F16 vector updates ------------------------------------------------------ */
 
+/* F16 x F16 dot (attention scores against the F16 K cache), 32 per step. */
+static float kvs_avx512_dot_f16(int64_t n, const void *w, const void *a)
+{
+    const uint16_t *x = w, *y = a;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))),
+                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(y + i))), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i + 16))),
+                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(y + i + 16))), acc1);
+    }
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    for (; i < n; i++)
+        s += KVS_F16(x[i]) * KVS_F16(y[i]);
+    return s;
+}
+
 /* F32 -> F16 rows (round to nearest even), as kvs_ref_quant_f16. */
 static void kvs_avx512_quant_f16(const float *src, void *dst, int64_t n)
 {
@@ -433,6 +451,7 @@ const struct kvs_kernels kvs_kernels_avx512 = {
     .gemm[KVS_TYPE_Q8_0] = kvs_avx512_gemm_q8_0,
     .gemm[KVS_TYPE_Q4_0] = kvs_avx512_gemm_q4_0,
     .quant_act[KVS_TYPE_F16] = kvs_avx512_quant_f16,
+    .dot[KVS_TYPE_F16] = kvs_avx512_dot_f16,
     .f16_scale = kvs_avx512_f16_scale,
     .f16_mad = kvs_avx512_f16_mad,
 };
