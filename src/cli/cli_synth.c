@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/rng.h"
 #include "gguf/gguf.h"
 #include "kernels/kernels.h"
 
@@ -68,45 +69,18 @@ struct synth_cfg {
     uint64_t seed;
 };
 
-/* --- PRNG: splitmix64 seeding xoshiro256** (Blackman, Vigna 2018) -------- */
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
-static uint64_t rotl64(uint64_t x, int k)
-{
-    return (x << k) | (x >> (64 - k));
-}
-
-static uint64_t xoshiro_next(uint64_t s[4])
-{
-    uint64_t r = rotl64(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl64(s[3], 45);
-    return r;
-}
-
 /* Fills dst[n] with center + uniform(-scale, scale), two values per draw. */
-static void fill_uniform(uint64_t s[4], float *dst, int64_t n, float center, float scale)
+static void fill_uniform(struct kvs_rng *s, float *dst, int64_t n, float center, float scale)
 {
     const float k = scale * 0x1.0p-31f;
     int64_t i = 0;
     for (; i + 1 < n; i += 2) {
-        uint64_t r = xoshiro_next(s);
+        uint64_t r = kvs_rng_next(s);
         dst[i] = center + (float)(int32_t)(uint32_t)(r >> 32) * k;
         dst[i + 1] = center + (float)(int32_t)(uint32_t)r * k;
     }
     if (i < n)
-        dst[i] = center + (float)(int32_t)(uint32_t)(xoshiro_next(s) >> 32) * k;
+        dst[i] = center + (float)(int32_t)(uint32_t)(kvs_rng_next(s) >> 32) * k;
 }
 
 /* --- argument parsing ------------------------------------------------------- */
@@ -510,9 +484,9 @@ static kvs_err write_tensor(FILE *f, const struct synth_cfg *c, const struct syn
                             float *fbuf, uint8_t *qbuf)
 {
     uint64_t x = c->seed ^ (0xA0761D6478BD642FULL * (uint64_t)(ti + 1));
-    uint64_t s[4];
+    struct kvs_rng s;
     for (int i = 0; i < 4; i++)
-        s[i] = splitmix64(&x);
+        s.s[i] = kvs_splitmix64(&x);
     const int64_t ne0 = t->ne[0], rows = t->ne[1] * t->ne[2];
     float center = 0.0f, scale;
     switch (t->kind) {
@@ -527,7 +501,7 @@ static kvs_err write_tensor(FILE *f, const struct synth_cfg *c, const struct syn
     for (int64_t r = 0; r < rows; r += rows_per) {
         int64_t nr = rows - r < rows_per ? rows - r : rows_per;
         int64_t n = nr * ne0;
-        fill_uniform(s, fbuf, n, center, scale);
+        fill_uniform(&s, fbuf, n, center, scale);
         kvs_err e = kvs_quantize_weights(t->type, fbuf, qbuf, n);
         if (e)
             return e;

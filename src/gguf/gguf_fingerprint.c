@@ -5,21 +5,12 @@
 #include <string.h>
 
 #include "gguf/gguf.h"
+#include "common/hex.h"
 #include "gguf/gguf_impl.h"
 
 #define FP_TAG "kvasir-fingerprint-v1"
 #define FP_SOURCE_KEY "kvasir.shard.source_fingerprint"
 
-static int hexval(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
 
 static int put_u64(EVP_MD_CTX *ctx, uint64_t v)
 {
@@ -57,7 +48,7 @@ kvs_err kvs_gguf_fingerprint(const struct kvs_gguf *g, uint8_t out[32])
         if (n != 64)
             return KVS_ERR_FORMAT;
         for (size_t i = 0; i < 32; i++) {
-            int hi = hexval(s[2 * i]), lo = hexval(s[2 * i + 1]);
+            int hi = kvs_hex_value(s[2 * i]), lo = kvs_hex_value(s[2 * i + 1]);
             if (hi < 0 || lo < 0)
                 return KVS_ERR_FORMAT;
             out[i] = (uint8_t)(hi << 4 | lo);

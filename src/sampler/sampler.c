@@ -1,6 +1,8 @@
 /* Next-token sampler: see sampler.h for the contract and conventions. */
 #include "sampler/sampler.h"
 
+#include "common/rng.h"
+
 #include <float.h>
 #include <stdbool.h>
 #include <math.h>
@@ -16,7 +18,7 @@ struct cand {
 struct kvs_sampler {
     struct kvs_sampler_params p;
     int32_t n_vocab;
-    uint64_t rng[4];     /* xoshiro256** state */
+    struct kvs_rng rng;  /* xoshiro256** state (common/rng.h) */
     int32_t *recent;     /* ring buffer [cap] of accepted ids */
     int32_t cap;         /* 0 when the penalty is off */
     int32_t n_recent;    /* filled entries, <= cap */
@@ -41,46 +43,10 @@ struct kvs_sampler_params kvs_sampler_default_params(void)
     return p;
 }
 
-/* splitmix64 (Steele, Lea, Flood 2014): expands a 64-bit seed into the
- * xoshiro state, as recommended by the xoshiro authors. */
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
-static uint64_t rotl(uint64_t x, int k)
-{
-    return (x << k) | (x >> (64 - k));
-}
-
-/* xoshiro256** 1.0 (Blackman, Vigna 2018). */
-static uint64_t rng_next(uint64_t s[4])
-{
-    uint64_t result = rotl(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return result;
-}
-
-static void rng_seed(uint64_t s[4], uint64_t seed)
-{
-    uint64_t x = seed;
-    for (int i = 0; i < 4; i++)
-        s[i] = splitmix64(&x);
-}
-
 /* Uniform double in [0, 1) from the top 53 bits. */
-static double rng_uniform(uint64_t s[4])
+static double rng_uniform(struct kvs_rng *r)
 {
-    return (double)(rng_next(s) >> 11) * 0x1.0p-53;
+    return (double)(kvs_rng_next(r) >> 11) * 0x1.0p-53;
 }
 
 kvs_err kvs_sampler_create(const struct kvs_sampler_params *p, int32_t n_vocab, struct kvs_sampler **out)
@@ -110,7 +76,7 @@ kvs_err kvs_sampler_create(const struct kvs_sampler_params *p, int32_t n_vocab, 
         kvs_sampler_free(s);
         return KVS_ERR_NOMEM;
     }
-    rng_seed(s->rng, p->seed);
+    kvs_rng_seed(&s->rng, p->seed);
     *out = s;
     return KVS_OK;
 }
@@ -143,7 +109,7 @@ void kvs_sampler_reset(struct kvs_sampler *s)
         return;
     s->n_recent = 0;
     s->head = 0;
-    rng_seed(s->rng, s->p.seed);
+    kvs_rng_seed(&s->rng, s->p.seed);
 }
 
 /* Finite-izes one logit: NaN -> -inf, +inf -> FLT_MAX, so that orderings are
@@ -390,7 +356,7 @@ int32_t kvs_sampler_sample(struct kvs_sampler *s, const float *logits)
     int32_t n = build(s, logits, 0);
     if (n == 1)
         return s->cand[0].id;
-    double u = rng_uniform(s->rng), cum = 0.0;
+    double u = rng_uniform(&s->rng), cum = 0.0;
     for (int32_t i = 0; i < n; i++) {
         cum += s->prob[i];
         if (u < cum)

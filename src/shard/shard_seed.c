@@ -19,6 +19,7 @@
 
 #include "common/log.h"
 #include "shard/shard_impl.h"
+#include "common/hex.h"
 
 #define SEED_BLOCK (1u << 20) /* bytes handed to MHD per read callback */
 #define SEED_MAX_CONNECTIONS 64 /* one thread each */
@@ -232,16 +233,6 @@ static bool ends_with(const char *s, const char *suffix)
  * a request line, and safe_name refuses it anyway. */
 #define SEED_BAD_NAME "\x01"
 
-static int hexval(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
 
 /* MHD's unescape callback (the path and query arguments), in place: %XX is
  * decoded, other bytes are kept. A decoded NUL would cut the C string the
@@ -254,7 +245,7 @@ static size_t seed_unescape(void *cls, struct MHD_Connection *c, char *str)
     char *w = str;
     for (const char *r = str; *r; r++) {
         int hi, lo;
-        if (r[0] == '%' && (hi = hexval(r[1])) >= 0 && (lo = hexval(r[2])) >= 0) {
+        if (r[0] == '%' && (hi = kvs_hex_value(r[1])) >= 0 && (lo = kvs_hex_value(r[2])) >= 0) {
             char ch = (char)(hi * 16 + lo);
             if (ch == '\0' || ch == '/') {
                 memcpy(str, SEED_BAD_NAME, sizeof SEED_BAD_NAME);

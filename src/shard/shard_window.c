@@ -8,6 +8,7 @@
 #include <openssl/evp.h>
 
 #include "shard/shard_impl.h"
+#include "common/hex.h"
 
 kvs_err kvs_shard__err(kvs_err err, char *errbuf, size_t errlen, const char *fmt, ...)
 {
@@ -44,23 +45,13 @@ void kvs_shard_hex(const uint8_t d[32], char hex[65])
     hex[64] = '\0';
 }
 
-static int hexval(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
 
 bool kvs_shard_unhex(const char *hex, size_t len, uint8_t d[32])
 {
     if (!hex || len != 64)
         return false;
     for (int i = 0; i < 32; i++) {
-        int hi = hexval(hex[2 * i]), lo = hexval(hex[2 * i + 1]);
+        int hi = kvs_hex_value(hex[2 * i]), lo = kvs_hex_value(hex[2 * i + 1]);
         if (hi < 0 || lo < 0)
             return false;
         d[i] = (uint8_t)(hi << 4 | lo);
