@@ -89,7 +89,27 @@ struct kvs_matrix {
     int64_t ne0, ne1;
     size_t row_bytes; /* kvs_type_row_bytes(type, ne0) */
     const void *data;
+    /* Optional: the same weights in the kernels' packed layout
+     * (kvs_matrix_pack), or NULL. kvs_matmul uses it where the ISA has a
+     * GEMM for it (same results bit for bit); data stays the reference and
+     * must remain readable (it serves other ISAs and unaligned row ranges). */
+    const void *packed;
 };
+
+/* Bytes of W's packed layout (0: the type has none, or W's shape does not
+ * fit). Q8_0: rows in groups of 4 (the last padded with zero rows), per
+ * group pairs of 4-block quads: 2 x (4 rows x 128 unsigned quants, w ^ 0x80,
+ * bytes 0-15 of the quad's 4 blocks then bytes 16-31) and 2 x (4 rows x 4
+ * F16 scales), 1088 bytes, so every quad's quants are 64-byte aligned and a
+ * group is one contiguous stream. */
+size_t kvs_matrix_packed_bytes(const struct kvs_matrix *W);
+/* True if kvs_matmul on this table has a GEMM that reads W->packed. */
+bool kvs_kernels_use_packed(const struct kvs_kernels *k, enum kvs_type type);
+/* Writes W's packed layout (kvs_matrix_packed_bytes) to dst (64-byte
+ * aligned). Rows [row_begin, row_end) only, row_begin and row_end multiples
+ * of 4 or row_end == ne1, so that threads can share the work. Scalar; the
+ * layout is the same for every ISA. */
+void kvs_matrix_pack(const struct kvs_matrix *W, int64_t row_begin, int64_t row_end, void *dst);
 
 /* Scratch bytes kvs_matmul needs for n_tok activation rows of K features
  * with weights of `type`. */

@@ -76,6 +76,10 @@ struct kvs_kernels {
     kvs_dot4_fn dot4[KVS_TYPE_COUNT];
     kvs_pack_act_fn pack_act[KVS_TYPE_COUNT];
     kvs_gemm_fn gemm[KVS_TYPE_COUNT];
+    /* The same GEMM over packed weights (kvs_matrix_pack): w is the packed
+     * group of the first row (rows start at a multiple of 4), w_stride the
+     * group size (kvs_kernels_packw_group_bytes); may be NULL. */
+    kvs_gemm_fn gemm_packed[KVS_TYPE_COUNT];
     /* y[i] = f16(f16(y[i]) * s) and y[i] = f16(f16(y[i]) + f16(x[i]) * s)
      * over n F16 values (attention's F16 V accumulator), round to nearest
      * even. */
@@ -88,6 +92,14 @@ struct kvs_kernels {
  * each quad 128 quants, 16 int32 offset corrections and 16 float scales. */
 #define KVS_PACK_QUAD_BYTES 256
 size_t kvs_kernels_pack_row_bytes(enum kvs_type type, int64_t n);
+
+/* Packed weights (kvs_matrix_pack): a group of KVS_PACKW_ROWS rows is
+ * ceil(quads / 2) pairs of KVS_PACKW_PAIR_BYTES: quants of quad 2p (4 rows x
+ * 128 bytes), of quad 2p + 1, then their scales (4 rows x 4 F16 each). */
+#define KVS_PACKW_ROWS 4
+#define KVS_PACKW_QUAD_QBYTES 512 /* 4 rows x 128 quants */
+#define KVS_PACKW_PAIR_BYTES (2 * KVS_PACKW_QUAD_QBYTES + 2 * 32)
+size_t kvs_kernels_packw_group_bytes(enum kvs_type type, int64_t n);
 
 /* Bytes per block and elements per block for the types this module handles;
  * false otherwise. (Private so that kernels does not depend on the gguf

@@ -13,6 +13,7 @@
  * through the ISA's dot4 kernel when it has one), so a prefill streams the
  * weights once instead of n_tok times. */
 #include <stdatomic.h>
+#include <string.h>
 
 #include "kernels/kernels_impl.h"
 
@@ -24,6 +25,63 @@ size_t kvs_matmul_scratch_bytes(enum kvs_type type, int64_t K, int64_t n_tok)
     size_t plain = kvs_kernels_row_bytes(vt, K), packed = kvs_kernels_pack_row_bytes(type, K);
     /* the packed GEMM layout (any ISA) is 64-byte aligned inside the scratch */
     return (plain > packed ? plain : packed) * (size_t)n_tok + (packed ? 64 : 0);
+}
+
+/* --- packed weights --------------------------------------------------------- */
+
+size_t kvs_kernels_packw_group_bytes(enum kvs_type type, int64_t n)
+{
+    if (type != KVS_TYPE_Q8_0 || n <= 0 || n % KVS_QK != 0)
+        return 0;
+    const int64_t nq = (n / KVS_QK + 3) / 4;
+    return (size_t)((nq + 1) / 2) * KVS_PACKW_PAIR_BYTES;
+}
+
+size_t kvs_matrix_packed_bytes(const struct kvs_matrix *W)
+{
+    if (!W || W->ne1 <= 0 || W->ne1 >= ((int64_t)1 << 31) || W->row_bytes != kvs_kernels_row_bytes(W->type, W->ne0))
+        return 0;
+    return kvs_kernels_packw_group_bytes(W->type, W->ne0) * (size_t)((W->ne1 + KVS_PACKW_ROWS - 1) / KVS_PACKW_ROWS);
+}
+
+bool kvs_kernels_use_packed(const struct kvs_kernels *k, enum kvs_type type)
+{
+    return k && type >= 0 && type < KVS_TYPE_COUNT && k->gemm_packed[type] && k->pack_act[type];
+}
+
+void kvs_matrix_pack(const struct kvs_matrix *W, int64_t row_begin, int64_t row_end, void *dst)
+{
+    const size_t gb = kvs_matrix_packed_bytes(W) ? kvs_kernels_packw_group_bytes(W->type, W->ne0) : 0;
+    assert(gb && dst && row_begin >= 0 && row_begin % KVS_PACKW_ROWS == 0 && row_begin <= row_end &&
+           row_end <= W->ne1 && (row_end % KVS_PACKW_ROWS == 0 || row_end == W->ne1));
+    const int64_t nb = W->ne0 / KVS_QK, nq = (nb + 3) / 4;
+    for (int64_t g = row_begin / KVS_PACKW_ROWS; g * KVS_PACKW_ROWS < row_end; g++) {
+        uint8_t *out = (uint8_t *)dst + (size_t)g * gb;
+        memset(out, 0x80, gb); /* zero quants (w ^ 0x80) in padding rows and blocks */
+        for (int64_t q = 0; q < nq; q++) {
+            uint8_t *pair = out + (size_t)(q / 2) * KVS_PACKW_PAIR_BYTES;
+            uint8_t *qq = pair + (size_t)(q % 2) * KVS_PACKW_QUAD_QBYTES;
+            uint16_t d[KVS_PACKW_ROWS * 4] = {0};
+            for (int r = 0; r < KVS_PACKW_ROWS; r++) {
+                const int64_t row = g * KVS_PACKW_ROWS + r;
+                if (row >= W->ne1)
+                    continue;
+                const kvs_block_q8_0 *x = (const kvs_block_q8_0 *)((const char *)W->data + (size_t)row * W->row_bytes);
+                for (int b = 0; b < 4 && 4 * q + b < nb; b++) {
+                    const kvs_block_q8_0 *blk = &x[4 * q + b];
+                    for (int i = 0; i < 16; i++) {
+                        qq[r * 128 + b * 16 + i] = (uint8_t)blk->qs[i] ^ 0x80;
+                        qq[r * 128 + 64 + b * 16 + i] = (uint8_t)blk->qs[16 + i] ^ 0x80;
+                    }
+                    d[r * 4 + b] = blk->d;
+                }
+            }
+            memcpy(pair + 2 * KVS_PACKW_QUAD_QBYTES + (size_t)(q % 2) * 32, d, sizeof d);
+        }
+        /* an odd last quad's partner: zero scales */
+        if (nq % 2)
+            memset(out + (size_t)(nq / 2) * KVS_PACKW_PAIR_BYTES + 2 * KVS_PACKW_QUAD_QBYTES + 32, 0, 32);
+    }
 }
 
 /* GEMM work split: thread i owns the rows [front, back) of range i (a
@@ -74,6 +132,7 @@ struct kvs_mm_job {
     size_t act_row;
     enum kvs_type vt;
     kvs_gemm_fn gemm;  /* non-NULL: act is in the ISA's packed layout */
+    kvs_gemm_fn gemm_packed; /* the GEMM over packed weights (matrices with W->packed), or NULL */
     int64_t chunk;     /* gemm: rows per claimed chunk (a multiple of 4) */
     int n_ranges;      /* gemm: home ranges, one per thread (at most KVS_MM_MAX_RANGES) */
     struct kvs_mm_range *ranges;
@@ -97,6 +156,17 @@ static void kvs_mm_gemm_span(const struct kvs_mm_job *j, int64_t c0, int64_t c1)
         const struct kvs_matrix *W = j->mats[m];
         const int64_t r = c0 - j->off[m] + (m == 0 ? j->row_begin : 0);
         const size_t ny = (size_t)(j->off[m + 1] - j->off[m]);
+        if (W->packed && j->gemm_packed && r % KVS_PACKW_ROWS == 0) {
+            const size_t gb = kvs_kernels_packw_group_bytes(W->type, W->ne0);
+            for (int64_t t = 0; t < j->n_tok; t += KVS_MM_TOKEN_BLOCK) {
+                const int64_t nt = j->n_tok - t < KVS_MM_TOKEN_BLOCK ? j->n_tok - t : KVS_MM_TOKEN_BLOCK;
+                j->gemm_packed(W->ne0, (const char *)W->packed + (size_t)(r / KVS_PACKW_ROWS) * gb, gb, e - c0,
+                               (const char *)j->act + (size_t)t * j->act_row, j->act_row, nt,
+                               j->ys[m] + (size_t)t * ny + (size_t)(c0 - j->off[m]), ny);
+            }
+            c0 = e;
+            continue;
+        }
         /* Long prompts: blocks of tokens, so that the chunk's weights and one
          * block's activations stay in L2 while every row tile of the chunk
          * passes over the block. */
@@ -176,6 +246,7 @@ static void kvs_mm_gemm_setup(struct kvs_mm_job *j, struct kvs_pool *pool, void 
     if (!packed || !j->k->gemm[W->type] || !j->k->pack_act[W->type] || rows >= ((int64_t)1 << 31))
         return;
     j->gemm = j->k->gemm[W->type];
+    j->gemm_packed = j->k->gemm_packed[W->type];
     j->act = j->act_w = (void *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     j->act_row = packed;
     int nr = kvs_pool_n_threads(pool);

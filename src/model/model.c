@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "kernels/kernels.h"
@@ -61,6 +63,8 @@ struct kvs_model {
     float *rope_cs;  /* [n_batch][n_rot] (cos, sin) pairs */
     uint16_t *att_ws16; /* [n_threads][2·D] F16 q and V accumulator */
     void *mm_scratch;
+    void *packw;        /* anonymous mapping: the window's matrices in the kernels' packed layout */
+    size_t packw_bytes;
     /* MoE */
     float *router;     /* [n_batch][X] */
     int32_t *sel;      /* [n_batch][k] chosen experts */
@@ -239,6 +243,110 @@ static void *alloc3(size_t a, size_t b, size_t c, size_t sz)
 
 static size_t max_sz(size_t a, size_t b) { return a > b ? a : b; }
 
+/* Packing the window's matrices (pack_weights), split over the pool. */
+#define PACK_MAX 16
+struct pack_job {
+    struct kvs_matrix *mats[PACK_MAX];
+    char *dst[PACK_MAX];
+    int n;
+};
+
+static void pack_task(void *ctx, int ith, int nth)
+{
+    const struct pack_job *j = ctx;
+    for (int i = 0; i < j->n; i++) {
+        const int64_t groups = (j->mats[i]->ne1 + 3) / 4;
+        const int64_t g0 = groups * ith / nth, g1 = groups * (ith + 1) / nth;
+        const int64_t r1 = 4 * g1 < j->mats[i]->ne1 ? 4 * g1 : j->mats[i]->ne1;
+        if (g0 < g1)
+            kvs_matrix_pack(j->mats[i], 4 * g0, r1, j->dst[i]);
+    }
+}
+
+/* Repacks the window's 2-D matrices once, when the kernels have a GEMM over
+ * packed weights for their type (AVX-512 Q8_0: 64-byte aligned quads in one
+ * stream per 4 rows, which decode reads near the machine's bandwidth), into
+ * one anonymous mapping (transparent huge pages where the kernel offers
+ * them). Only the window's own tensors; the mapping's pages of the packed
+ * tensors are then handed back (MADV_PAGEOUT: they stay readable, so
+ * kvs_matrix.data remains the reference, and the tied embedding's rows still
+ * serve lookups). KVASIR_PACK=0 turns packing off (comparisons). Failure to
+ * map is not an error: the unpacked path runs. */
+static void pack_weights(struct kvs_model *m)
+{
+    const char *env = getenv("KVASIR_PACK");
+    if (env && strcmp(env, "0") == 0)
+        return;
+    struct kvs_matrix *cand[1] = { NULL };
+    int nc = 0;
+    if (m->out_w.data)
+        cand[nc++] = &m->out_w;
+    size_t total = 0;
+    const size_t A = 4096;
+    for (int pass = 0; pass < 2; pass++) {
+        char *at = m->packw;
+        for (int32_t i = 0; i < m->n_blk; i++) {
+            struct block_w *b = &m->blk[i];
+            struct kvs_matrix *mats[] = { &b->wq, &b->wk, &b->wv, &b->wo, &b->gate, &b->up, &b->down };
+            struct pack_job j = { .n = 0 };
+            for (int c = 0; c < (int)(sizeof mats / sizeof mats[0]) + (i == 0 ? nc : 0); c++) {
+                struct kvs_matrix *W = c < 7 ? mats[c] : cand[c - 7];
+                size_t bytes = W->data ? kvs_matrix_packed_bytes(W) : 0;
+                if (!bytes || !kvs_kernels_use_packed(m->k, W->type))
+                    continue;
+                bytes = (bytes + A - 1) & ~(A - 1);
+                if (pass == 0) {
+                    total += bytes;
+                    continue;
+                }
+                j.mats[j.n] = W;
+                j.dst[j.n++] = at;
+                at += bytes;
+            }
+            if (pass == 1 && j.n) {
+                kvs_pool_run(m->pool, pack_task, &j);
+                for (int c = 0; c < j.n; c++)
+                    j.mats[c]->packed = j.dst[c];
+            }
+        }
+        if (pass == 0) {
+            if (!total)
+                return;
+            void *p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (p == MAP_FAILED) {
+                KVS_LOGW("model: cannot map %zu bytes for packed weights; using the file's layout", total);
+                return;
+            }
+#ifdef MADV_HUGEPAGE
+            (void)madvise(p, total, MADV_HUGEPAGE);
+#endif
+            m->packw = p;
+            m->packw_bytes = total;
+        }
+    }
+#ifdef MADV_PAGEOUT
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    for (int32_t i = 0; i <= m->n_blk; i++) {
+        struct kvs_matrix *mats[7] = { &m->out_w };
+        int n = 1;
+        if (i < m->n_blk) {
+            struct block_w *b = &m->blk[i];
+            struct kvs_matrix *bm[] = { &b->wq, &b->wk, &b->wv, &b->wo, &b->gate, &b->up, &b->down };
+            memcpy(mats, bm, sizeof bm);
+            n = 7;
+        }
+        for (int c = 0; c < n; c++) {
+            if (!mats[c]->packed)
+                continue;
+            uintptr_t a = ((uintptr_t)mats[c]->data + pg - 1) & ~(pg - 1);
+            uintptr_t z = ((uintptr_t)mats[c]->data + mats[c]->row_bytes * (size_t)mats[c]->ne1) & ~(pg - 1);
+            if (a < z)
+                (void)madvise((void *)a, z - a, MADV_PAGEOUT);
+        }
+    }
+#endif
+}
+
 kvs_err kvs_model_load(const struct kvs_gguf *g, const struct kvs_model_params *p, struct kvs_model **out,
                        char *errbuf, size_t errlen)
 {
@@ -350,6 +458,7 @@ kvs_err kvs_model_load(const struct kvs_gguf *g, const struct kvs_model_params *
         set_err(errbuf, errlen, "cannot create a pool of %d threads", (int)m->n_threads);
         goto fail;
     }
+    pack_weights(m);
     KVS_LOGD("model: %s window [%d, %d) of %u blocks, n_ctx %d, n_seq %d, n_batch %d, %d threads", hp->arch_name,
              (int)m->begin, (int)m->end, hp->n_block, (int)m->n_ctx, (int)m->n_seq, (int)m->n_batch,
              (int)m->n_threads);
@@ -367,6 +476,8 @@ void kvs_model_free(struct kvs_model *m)
 {
     if (!m) return;
     kvs_pool_destroy(m->pool);
+    if (m->packw)
+        munmap(m->packw, m->packw_bytes);
     free(m->blk);
     free(m->kcache);
     free(m->vcache);

@@ -356,6 +356,74 @@ static void test_matmul_tiles(void **state)
     }
 }
 
+/* Packed weights (kvs_matrix_pack): on every table, kvs_matmul with
+ * W.packed set equals kvs_matmul on the file layout bit for bit, for rows
+ * 1..13 (short last groups), K of 1..11 blocks and 32 blocks (odd and even
+ * quad counts, short quads), tokens 1..9, pools of 1..3 threads, packing
+ * done in pieces (as threads do), and kvs_matmul_rows from aligned and
+ * unaligned first rows; kvs_matmul_multi over packed matrices equals
+ * separate products. */
+static void test_matmul_packed(void **state)
+{
+    (void)state;
+    static const int64_t Ks[] = {32, 64, 96, 128, 160, 256, 352, 1024};
+    const enum kvs_type t = KVS_TYPE_Q8_0;
+    for (int isa = KVS_ISA_SCALAR; isa <= KVS_ISA_NEON; isa++) {
+        const struct kvs_kernels *k = kvs_kernels_get((enum kvs_isa)isa);
+        if (!k)
+            continue;
+        for (int nth = 1; nth <= 3; nth++) {
+            struct kvs_pool *pool = NULL;
+            assert_int_equal(kvs_pool_create(nth, &pool), KVS_OK);
+            for (size_t ki = 0; ki < sizeof Ks / sizeof Ks[0]; ki++) {
+                const int64_t K = Ks[ki], NMAX = 13, TMAX = 9;
+                const size_t rb = kvs_type_row_bytes(t, K);
+                uint8_t *w = malloc(rb * NMAX);
+                float *x = malloc((size_t)(TMAX * K) * 4), *y0 = malloc((size_t)(TMAX * NMAX) * 4),
+                      *y1 = malloc((size_t)(TMAX * NMAX) * 4);
+                void *scratch = malloc(kvs_matmul_scratch_bytes(t, K, TMAX));
+                for (int64_t r = 0; r < NMAX; r++)
+                    random_weights(t, w + r * rb, K);
+                random_acts(x, TMAX * K);
+                for (int64_t N = 1; N <= NMAX; N++) {
+                    struct kvs_matrix W = {.type = t, .ne0 = K, .ne1 = N, .row_bytes = rb, .data = w};
+                    const size_t pb = kvs_matrix_packed_bytes(&W);
+                    assert_true(pb > 0 && pb % 64 == 0);
+                    void *pk = aligned_alloc(64, pb);
+                    assert_non_null(pk);
+                    /* in two pieces, split at a group boundary */
+                    const int64_t mid = N > 4 ? 4 : N;
+                    kvs_matrix_pack(&W, 0, mid, pk);
+                    kvs_matrix_pack(&W, mid, N, pk);
+                    struct kvs_matrix P = W;
+                    P.packed = pk;
+                    for (int64_t T = 1; T <= TMAX; T++) {
+                        kvs_matmul(k, pool, &W, x, T, y0, scratch);
+                        kvs_matmul(k, pool, &P, x, T, y1, scratch);
+                        assert_memory_equal(y0, y1, (size_t)(T * N) * 4);
+                        for (int64_t rb0 = 3; rb0 <= 4 && rb0 < N; rb0++) {
+                            kvs_matmul_rows(k, pool, &W, rb0, N, x, T, y0, scratch);
+                            kvs_matmul_rows(k, pool, &P, rb0, N, x, T, y1, scratch);
+                            assert_memory_equal(y0, y1, (size_t)(T * (N - rb0)) * 4);
+                        }
+                    }
+                    if (N >= 5) {
+                        const struct kvs_matrix *ms[2] = {&P, &P};
+                        float *ys[2] = {y1, y1 + 2 * N};
+                        kvs_matmul_multi(k, pool, 2, ms, x, 2, ys, scratch);
+                        kvs_matmul(k, pool, &W, x, 2, y0, scratch);
+                        assert_memory_equal(y0, y1, (size_t)(2 * N) * 4);
+                        assert_memory_equal(y0, y1 + 2 * N, (size_t)(2 * N) * 4);
+                    }
+                    free(pk);
+                }
+                free(w), free(x), free(y0), free(y1), free(scratch);
+            }
+            kvs_pool_destroy(pool);
+        }
+    }
+}
+
 /* kvs_matmul_multi equals one kvs_matmul per matrix, bit for bit: shared
  * type and K (one packed GEMM dispatch over 3 matrices of 36, 8 and 20 rows,
  * chunks crossing matrix boundaries) and mixed types (the fallback). */
@@ -487,6 +555,7 @@ int main(void)
         cmocka_unit_test(test_matmul_tiles),
         cmocka_unit_test(test_f16_vec),
         cmocka_unit_test(test_matmul_multi),
+        cmocka_unit_test(test_matmul_packed),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

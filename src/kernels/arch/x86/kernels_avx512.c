@@ -377,6 +377,93 @@ static void kvs_avx512_gemm_q4_0(int64_t n, const void *w, size_t w_stride, int6
     kvs_avx512_gemm(1, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
 }
 
+/* --- GEMM over packed Q8_0 weights (kvs_matrix_pack) ----------------------
+ *
+ * A group of 4 rows is one contiguous, 64-byte aligned stream: each quad's
+ * quants are already unsigned and in the activation layout's lo/hi order
+ * (two aligned loads per row, no permutes), its 16 scales (4 rows x 4
+ * blocks) one 32-byte load and one conversion. Same integer sums and float
+ * operations, in the same order, as kvs_avx512_gemm: results are equal bit
+ * for bit. */
+
+#ifndef KVS_GEMMP_PREFETCH
+#define KVS_GEMMP_PREFETCH 2048 /* bytes ahead in the group's stream; 0: none */
+#endif
+
+static inline __attribute__((always_inline)) void kvs_avx512_gemmp_tile(int T, int64_t nq, const char *g,
+                                                                        const char *a, size_t a_stride,
+                                                                        float *y, size_t y_stride, int nrv)
+{
+    __m512 acc[KVS_PACKW_ROWS][KVS_GEMM_MAX_T];
+#pragma GCC unroll 8
+    for (int r = 0; r < KVS_PACKW_ROWS; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < KVS_GEMM_MAX_T; t++)
+            acc[r][t] = _mm512_setzero_ps();
+    const __m512i sidx0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int64_t q = 0; q < nq; q++) {
+        const char *pair = g + (size_t)(q >> 1) * KVS_PACKW_PAIR_BYTES;
+        const char *qq = pair + (size_t)(q & 1) * KVS_PACKW_QUAD_QBYTES;
+#if KVS_GEMMP_PREFETCH > 0
+        {
+            const char *pf = pair + (size_t)(q & 1) * (KVS_PACKW_PAIR_BYTES / 2) + KVS_GEMMP_PREFETCH;
+#pragma GCC unroll 9
+            for (int i = 0; i < 9; i++)
+                _mm_prefetch(pf + 64 * i, _MM_HINT_T0);
+        }
+#endif
+        const __m512 sc = _mm512_cvtph_ps(
+            _mm256_load_si256((const __m256i *)(pair + 2 * KVS_PACKW_QUAD_QBYTES + (size_t)(q & 1) * 32)));
+        __m512i wlo[KVS_PACKW_ROWS], whi[KVS_PACKW_ROWS];
+        __m512 wd[KVS_PACKW_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < KVS_PACKW_ROWS; r++) {
+            wlo[r] = _mm512_load_si512(qq + 128 * r);
+            whi[r] = _mm512_load_si512(qq + 128 * r + 64);
+            wd[r] = _mm512_permutexvar_ps(_mm512_add_epi32(sidx0, _mm512_set1_epi32(4 * r)), sc);
+        }
+        const char *aq = a + (size_t)q * KVS_PACK_QUAD_BYTES;
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            const char *at = aq + (size_t)t * a_stride;
+            const __m512i alo = _mm512_loadu_si512(at), ahi = _mm512_loadu_si512(at + 64);
+            const __m512 ad = _mm512_loadu_ps((const float *)(at + 192));
+#pragma GCC unroll 8
+            for (int r = 0; r < KVS_PACKW_ROWS; r++) {
+                __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(at + 128), wlo[r], alo);
+                s = _mm512_dpbusd_epi32(s, whi[r], ahi);
+                acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), ad), wd[r], acc[r][t]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < nrv; r++)
+            y[(size_t)t * y_stride + (size_t)r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+static void kvs_avx512_gemm_packed_q8_0(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a,
+                                        size_t a_stride, int64_t nt, float *y, size_t y_stride)
+{
+    const int64_t nq = (n / KVS_QK + 3) / 4;
+    for (int64_t r = 0; r < nr; r += KVS_PACKW_ROWS) {
+        const char *g = (const char *)w + (size_t)(r / KVS_PACKW_ROWS) * w_stride;
+        const int nrv = nr - r < KVS_PACKW_ROWS ? (int)(nr - r) : KVS_PACKW_ROWS;
+        int64_t t = 0;
+        for (; t + KVS_GEMM_MAX_T <= nt; t += KVS_GEMM_MAX_T)
+            kvs_avx512_gemmp_tile(KVS_GEMM_MAX_T, nq, g, (const char *)a + (size_t)t * a_stride, a_stride,
+                                  y + (size_t)t * y_stride + r, y_stride, nrv);
+        const char *at = (const char *)a + (size_t)t * a_stride;
+        float *yt = y + (size_t)t * y_stride + r;
+        switch (nt - t) {
+        case 1: kvs_avx512_gemmp_tile(1, nq, g, at, a_stride, yt, y_stride, nrv); break;
+        case 2: kvs_avx512_gemmp_tile(2, nq, g, at, a_stride, yt, y_stride, nrv); break;
+        case 3: kvs_avx512_gemmp_tile(3, nq, g, at, a_stride, yt, y_stride, nrv); break;
+        default: break;
+        }
+    }
+}
+
 /* --- F16 vector updates ------------------------------------------------------ */
 
 /* F16 x F16 dot (attention scores against the F16 K cache), 32 per step. */
@@ -450,6 +537,7 @@ const struct kvs_kernels kvs_kernels_avx512 = {
     .pack_act[KVS_TYPE_Q4_0] = kvs_avx512_pack_q4_0,
     .gemm[KVS_TYPE_Q8_0] = kvs_avx512_gemm_q8_0,
     .gemm[KVS_TYPE_Q4_0] = kvs_avx512_gemm_q4_0,
+    .gemm_packed[KVS_TYPE_Q8_0] = kvs_avx512_gemm_packed_q8_0,
     .quant_act[KVS_TYPE_F16] = kvs_avx512_quant_f16,
     .dot[KVS_TYPE_F16] = kvs_avx512_dot_f16,
     .f16_scale = kvs_avx512_f16_scale,
