@@ -52,7 +52,7 @@ bool kvs_kernels_use_packed(const struct kvs_kernels *k, enum kvs_type type)
 void kvs_matrix_pack(const struct kvs_matrix *W, int64_t row_begin, int64_t row_end, void *dst)
 {
     const size_t gb = kvs_matrix_packed_bytes(W) ? kvs_kernels_packw_group_bytes(W->type, W->ne0) : 0;
-    assert(gb && dst && row_begin >= 0 && row_begin % KVS_PACKW_ROWS == 0 && row_begin <= row_end &&
+    assert(gb && dst && row_begin >= 0 && (row_begin % KVS_PACKW_ROWS == 0 || row_begin == row_end) && row_begin <= row_end &&
            row_end <= W->ne1 && (row_end % KVS_PACKW_ROWS == 0 || row_end == W->ne1));
     const int64_t nb = W->ne0 / KVS_QK, nq = (nb + 3) / 4;
     for (int64_t g = row_begin / KVS_PACKW_ROWS; g * KVS_PACKW_ROWS < row_end; g++) {
