@@ -29,9 +29,11 @@
  *   --kvasir  the kvasir binary (default: next to this program, or $KVASIR_BIN)
  *   --threads compute threads per stage (default 2)
  *   --tokens  decode tokens per sequence (default 40)
- *   --stage-spin  KVASIR_SPIN for the ring's stages (head and processes;
- *             default: inherited; the single-process run uses the pool default
- *             unless KVASIR_SPIN is set; see src/kernels/pool.c) Exit status: 0 when every target passes, 1 when one
+ *   --stage-spin  the ring stages' pool spin (kvs_stage_params.pool_spin, kvasir
+ *             stage --spin; head and processes): 0 = the stage default
+ *             (KVS_STAGE_POOL_SPIN, short), -1 = the pool's long default, as
+ *             the single-process run uses; KVASIR_SPIN in the environment
+ *             overrides both (see src/kernels/pool.c) Exit status: 0 when every target passes, 1 when one
  * fails, 2 on error. */
 #include <errno.h>
 #include <libgen.h>
@@ -43,6 +45,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -235,6 +238,32 @@ static int free_port(void)
     return p;
 }
 
+/* CPU seconds (user + system) used so far by this process and the stage
+ * processes: what the ring burns, busy or idle, whatever else runs on the machine. */
+static double ring_cpu_s(const pid_t *pids, int n)
+{
+    struct rusage ru;
+    double t = 0;
+    if (getrusage(RUSAGE_SELF, &ru) == 0)
+        t += ru.ru_utime.tv_sec + ru.ru_stime.tv_sec + 1e-6 * (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+    long hz = sysconf(_SC_CLK_TCK);
+    for (int i = 0; i < n; i++) {
+        if (pids[i] <= 0) continue;
+        char path[64], buf[1024];
+        snprintf(path, sizeof path, "/proc/%d/stat", (int)pids[i]);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        size_t k = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        buf[k] = 0;
+        const char *q = strrchr(buf, ')'); /* fields after the command name: state is field 3 */
+        unsigned long ut = 0, st = 0;
+        if (q && sscanf(q + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) == 2 && hz > 0)
+            t += (double)(ut + st) / (double)hz;
+    }
+    return t;
+}
+
 /* Waits for a trail taken after now (probes go every second). */
 static int fresh_trail(struct kvs_stage *head, struct kvs_stage_hop *h, int cap)
 {
@@ -248,14 +277,22 @@ static int fresh_trail(struct kvs_stage *head, struct kvs_stage_hop *h, int cap)
 
 int main(int argc, char **argv)
 {
-    const char *model_path = NULL, *stage_spin = NULL;
+    const char *model_path = NULL;
+    long stage_spin = 0;
     const char *kvasir = getenv("KVASIR_BIN");
     int n_threads = 2, n_tok = 40;
     char self_dir[PATH_MAX], kvasir_buf[PATH_MAX + 16];
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--model") && i + 1 < argc) model_path = argv[++i];
         else if (!strcmp(argv[i], "--kvasir") && i + 1 < argc) kvasir = argv[++i];
-        else if (!strcmp(argv[i], "--stage-spin") && i + 1 < argc) stage_spin = argv[++i];
+        else if (!strcmp(argv[i], "--stage-spin") && i + 1 < argc) {
+            char *end;
+            stage_spin = strtol(argv[++i], &end, 10);
+            if (*end || stage_spin < -1 || stage_spin > 10000000) {
+                fprintf(stderr, "bench_ring: --stage-spin: out of range (-1..10000000)\n");
+                return 2;
+            }
+        }
         else if ((!strcmp(argv[i], "--threads") || !strcmp(argv[i], "--tokens")) && i + 1 < argc) {
             bool thr = !strcmp(argv[i], "--threads");
             char *end;
@@ -310,8 +347,9 @@ int main(int argc, char **argv)
     fflush(stdout);
 
     /* the ring: ranks 1..3 as processes */
-    if (stage_spin) setenv("KVASIR_SPIN", stage_spin, 1);
-    printf("stages: KVASIR_SPIN=%s\n", getenv("KVASIR_SPIN") ? getenv("KVASIR_SPIN") : "(default)");
+    if (getenv("KVASIR_SPIN")) printf("stages and single process: KVASIR_SPIN=%s\n", getenv("KVASIR_SPIN"));
+    else if (stage_spin == 0) printf("stages: pool spin %d (stage default)\n", KVS_STAGE_POOL_SPIN);
+    else printf("stages: pool spin %ld%s\n", stage_spin, stage_spin < 0 ? " (the pool's long default)" : "");
     int port[N_STAGES];
     pid_t pids[N_STAGES] = { 0 };
     for (int r = 0; r < N_STAGES; r++)
@@ -319,7 +357,8 @@ int main(int argc, char **argv)
             fprintf(stderr, "bench_ring: no free port\n");
             return 2;
         }
-    char a_thr[16], a_seq[16], a_ctx[16];
+    char a_thr[16], a_seq[16], a_ctx[16], a_spin[24];
+    snprintf(a_spin, sizeof a_spin, "%ld", stage_spin);
     snprintf(a_thr, sizeof a_thr, "%d", n_threads);
     snprintf(a_seq, sizeof a_seq, "%d", N_CONC);
     snprintf(a_ctx, sizeof a_ctx, "%d", N_CTX);
@@ -334,7 +373,7 @@ int main(int argc, char **argv)
         snprintf(a_next, sizeof a_next, "127.0.0.1:%d", port[(r + 1) % N_STAGES]);
         char *const args[] = { (char *)kvasir, "stage", "-m", (char *)model_path, "--window", a_win, "--listen",
                                a_listen, "--next", a_next, "--threads", a_thr, "--seqs", a_seq, "--ctx", a_ctx,
-                               NULL };
+                               "--spin", a_spin, NULL };
         int e = posix_spawn(&pids[r], kvasir, NULL, NULL, args, environ);
         if (e) {
             fprintf(stderr, "bench_ring: cannot start %s stage: %s\n", kvasir, strerror(e));
@@ -354,6 +393,7 @@ int main(int argc, char **argv)
     sp.n_threads = n_threads;
     sp.n_ctx = N_CTX;
     sp.n_seq = N_CONC;
+    sp.pool_spin = (int32_t)stage_spin;
     if (kvs_stage_create(&sp, &head, eb, sizeof eb)) {
         fprintf(stderr, "bench_ring: head stage: %s\n", eb);
         goto done;
@@ -378,7 +418,10 @@ int main(int argc, char **argv)
     /* (b) */
     struct kvs_stage_hop h0[N_STAGES + 1], h1[N_STAGES + 1];
     int n0 = fresh_trail(head, h0, N_STAGES + 1);
+    double cpu0 = ring_cpu_s(pids, N_STAGES), w0 = kvs_bench_now();
     if (run_requests(head, &c, rs, 1, prompt, n_tok + 1)) goto done;
+    double cpu_b = ring_cpu_s(pids, N_STAGES) - cpu0, wall_b = kvs_bench_now() - w0;
+    int tok_b = rs[0].n;
     double ring1 = (rs[0].n - 1) / (rs[0].t[rs[0].n - 1] - rs[0].t[0]);
     free(rs[0].t);
     rs[0].t = NULL;
@@ -387,6 +430,8 @@ int main(int argc, char **argv)
     kvs_stage_ring_stats(head, h1, N_STAGES + 1, &rtt);
     printf("(b) %d-stage ring decode, 1 sequence: %.2f tok/s  ratio to single %.3f\n", N_STAGES, ring1,
            ring1 / single);
+    printf("    ring CPU %.1f ms per token (%.2f cores busy on average over %.2f s)\n", 1e3 * cpu_b / tok_b,
+           cpu_b / wall_b, wall_b);
 
     /* (d) and per-stage figures of the (b) run */
     double bpt = 0;
@@ -416,7 +461,12 @@ int main(int argc, char **argv)
 
     /* (c) */
     n0 = fresh_trail(head, h0, N_STAGES + 1);
+    cpu0 = ring_cpu_s(pids, N_STAGES);
+    w0 = kvs_bench_now();
     if (run_requests(head, &c, rs, N_CONC, prompt, n_tok + 1)) goto done;
+    double cpu_c = ring_cpu_s(pids, N_STAGES) - cpu0, wall_c = kvs_bench_now() - w0;
+    int tok_c = 0;
+    for (int i = 0; i < N_CONC; i++) tok_c += rs[i].n;
     n1 = fresh_trail(head, h1, N_STAGES + 1);
     for (int i = 0; i < N_STAGES && n0 == N_STAGES && n1 == N_STAGES; i++) {
         double calls = (double)(h1[i].forward_calls - h0[i].forward_calls);
@@ -441,12 +491,15 @@ int main(int argc, char **argv)
     }
     printf("(c) %d concurrent sequences: %.2f tok/s aggregate (%d tokens in %.2f s)  ratio to 1 sequence %.3f\n",
            N_CONC, conc, cnt, t_end - t_start, conc / ring1);
+    printf("    ring CPU %.1f ms per token (%.2f cores busy on average over %.2f s)\n", 1e3 * cpu_c / tok_c,
+           cpu_c / wall_c, wall_c);
 
     bool p1 = ring1 / single >= TARGET_RING_RATIO, p2 = conc / ring1 >= TARGET_CONC_RATIO;
     printf("%s ring/single %.3f (target >= %.1f)\n", p1 ? "PASS" : "FAIL", ring1 / single, TARGET_RING_RATIO);
     printf("%s concurrency %.3f (target >= %.1f)\n", p2 ? "PASS" : "FAIL", conc / ring1, TARGET_CONC_RATIO);
     printf("RESULT ring_ratio=%.3f concurrency_ratio=%.3f bytes_per_token_hop=%.1f single_tps=%.2f ring_tps=%.2f "
-           "conc_tps=%.2f\n", ring1 / single, conc / ring1, bpt, single, ring1, conc);
+           "conc_tps=%.2f cpu_ms_per_tok_1=%.1f cpu_ms_per_tok_8=%.1f\n", ring1 / single, conc / ring1, bpt, single, ring1,
+           conc, 1e3 * cpu_b / tok_b, 1e3 * cpu_c / tok_c);
     rc = p1 && p2 ? 0 : 1;
 done:
     if (running) {

@@ -31,11 +31,13 @@ static void stage_usage(FILE *f)
                "  --boundary f16|f32   boundary precision sent on (default f16; f16 rounding can change greedy\n"
                "                       output vs a single process, f32 is bit-identical: docs/PROTOCOL.md 5)\n"
                "  --timeout MS         neighbour silence / ring probe timeout (default 4000)\n"
+               "  --spin N             pool spin before idle compute threads sleep (0: default, %d, short, for\n"
+               "                       stages sharing cores; -1: the long single-process spin; KVASIR_SPIN wins)\n"
                "  --step-delay MS      test hook: sleep before every forward\n"
                "  --api PORT           HTTP API on the head (served by the api module when built)\n"
                "head only, as a client of its own ring:\n"
                "  -p TEXT | --prompts FILE ('-' = stdin)   -n N  --temp T  --top-k K  --top-p P  --min-p P\n"
-               "  --repeat-penalty R  --seed S  --ignore-eos  --parallel P\n");
+               "  --repeat-penalty R  --seed S  --ignore-eos  --parallel P\n", KVS_STAGE_POOL_SPIN);
 }
 
 static int num(const char *s, long lo, long hi, long *out)
@@ -150,6 +152,9 @@ int kvs_cli_stage(int argc, char **argv)
         } else if (!strcmp(a, "--timeout")) {
             bad = num(v, 100, 3600000, &lv);
             p.timeout_ms = (int32_t)lv;
+        } else if (!strcmp(a, "--spin")) {
+            bad = num(v, -1, 10000000, &lv);
+            p.pool_spin = (int32_t)lv;
         } else if (!strcmp(a, "--step-delay")) {
             bad = num(v, 0, 60000, &lv);
             p.step_delay_ms = (int32_t)lv;

@@ -13,6 +13,7 @@
 
 #include "common/log.h"
 #include "kernels/kernels_impl.h"
+#include "kernels/pool.h"
 
 #define KVS_POOL_MAX_THREADS 256
 #define KVS_POOL_SPIN 20000 /* default relax iterations before a worker sleeps (~0.1-1 ms) */
@@ -35,6 +36,16 @@ struct kvs_pool {
     _Atomic int stop;
     int spin;               /* relax iterations before sleeping / yielding (KVASIR_SPIN) */
 };
+
+/* Spin for pools created on this thread (kvs_pool_set_thread_spin); -1: none. */
+static _Thread_local int kvs_pool_tls_spin = -1;
+
+int kvs_pool_set_thread_spin(int spin)
+{
+    int prev = kvs_pool_tls_spin;
+    kvs_pool_tls_spin = spin < 0 ? -1 : spin > KVS_POOL_SPIN_MAX ? KVS_POOL_SPIN_MAX : spin;
+    return prev;
+}
 
 static inline void kvs_cpu_relax(void)
 {
@@ -93,8 +104,9 @@ kvs_err kvs_pool_create(int n_threads, struct kvs_pool **out)
     p->n = 1;
     /* KVASIR_SPIN=N: relax iterations before a waiting thread sleeps (worker)
      * or yields (caller). Short spins suit processes that share cores, e.g.
-     * ring stages on one machine: an idle stage then gives its cores up at once. */
-    p->spin = KVS_POOL_SPIN;
+     * ring stages on one machine: an idle stage then gives its cores up at once.
+     * Precedence: KVASIR_SPIN, then kvs_pool_set_thread_spin, then the default. */
+    p->spin = kvs_pool_tls_spin >= 0 ? kvs_pool_tls_spin : KVS_POOL_SPIN;
     const char *env = getenv("KVASIR_SPIN");
     if (env && *env) {
         char *end;

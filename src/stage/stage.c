@@ -14,6 +14,7 @@
 
 #include "common/log.h"
 #include "gguf/gguf.h"
+#include "kernels/pool.h"
 #include "link/link.h"
 #include "model/model.h"
 #include "plan/plan.h"
@@ -1587,7 +1588,11 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
     mp.n_seq = s->p.n_seq;
     mp.n_batch = s->p.n_batch;
     mp.n_threads = s->p.n_threads;
-    if ((e = kvs_model_load(s->g, &mp, &s->m, err, sizeof err))) goto fail;
+    /* The pool is created by kvs_model_load, on this thread. */
+    int spin_prev = kvs_pool_set_thread_spin(p->pool_spin == 0 ? KVS_STAGE_POOL_SPIN : p->pool_spin);
+    e = kvs_model_load(s->g, &mp, &s->m, err, sizeof err);
+    kvs_pool_set_thread_spin(spin_prev);
+    if (e) goto fail;
     s->hp = *kvs_model_hparams(s->m);
     s->begin = kvs_model_block_begin(s->m);
     s->end = kvs_model_block_end(s->m);

@@ -49,7 +49,13 @@ struct kvs_stage_params {
     int32_t decode_groups;    /* head: decode batches kept in the ring at once (default 1: all sequences
                                * step together in one batch, best when stages share cores; G > 1
                                * pipelines G batches, for stages on separate machines) */
+    int32_t pool_spin;        /* relax iterations the compute pool's threads spin before sleeping after
+                               * a parallel step: 0 = KVS_STAGE_POOL_SPIN (short: stages that share
+                               * cores give them up as soon as their forward ends), -1 = the pool's
+                               * long default (a stage with cores of its own), N > 0 = N. The
+                               * KVASIR_SPIN environment variable overrides it (src/kernels/pool.c) */
 };
+#define KVS_STAGE_POOL_SPIN 200
 struct kvs_stage_params kvs_stage_default_params(void);
 
 struct kvs_stage; /* opaque */

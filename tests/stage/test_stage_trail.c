@@ -18,6 +18,7 @@
 
 #include <cmocka.h>
 
+#include "kernels/pool.h"
 #include "link/link.h"
 #include "stage/stage.h"
 
@@ -74,14 +75,20 @@ static void test_trail(void **state)
     tp.keepalive_ms = 50;
     tp.boundary_f32 = false;
     struct kvs_stage *tail = NULL, *head = NULL;
+    /* the stage's pool spin applies to its own pool only: the thread's setting is restored */
+    assert_int_equal(kvs_pool_set_thread_spin(7), -1);
     assert_int_equal(kvs_stage_create(&tp, &tail, err, sizeof err), KVS_OK);
+    assert_int_equal(kvs_pool_set_thread_spin(-1), 7);
     snprintf(tail_addr, sizeof tail_addr, "127.0.0.1:%u", (unsigned)kvs_stage_listen_port(tail));
     struct kvs_stage_params hp = tp;
     hp.block_begin = 0;
     hp.block_end = 2;
     hp.listen = head_addr;
     hp.next = tail_addr;
+    hp.n_threads = 2;
+    hp.pool_spin = -1; /* the pool's long default */
     assert_int_equal(kvs_stage_create(&hp, &head, err, sizeof err), KVS_OK);
+    assert_int_equal(kvs_pool_set_thread_spin(-1), -1);
 
     struct kvs_stage_hop hops[8];
     assert_int_equal(kvs_stage_ring_stats(tail, hops, 8, NULL), 0); /* not the head */
