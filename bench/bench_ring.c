@@ -22,7 +22,7 @@
  * Prints the figures, PASS/FAIL per target and a final line
  *   RESULT ring_ratio=.. concurrency_ratio=.. bytes_per_token_hop=..
  *
- * usage: bench_ring [--model PATH] [--kvasir PATH] [--threads N] [--tokens N] [--stage-spin N]
+ * usage: bench_ring [--model PATH] [--kvasir PATH] [--threads N] [--tokens N] [--stage-spin N] [--groups G]
  *   --model   GGUF (default /tmp/kvasir-qwen3-0.6b-q8_0.gguf; if absent the
  *             same-shaped /tmp/kvasir-bench-qwen3-0.6b-q8_0.gguf of
  *             bench_engine is used when present, else the first is created)
@@ -33,7 +33,9 @@
  *             stage --spin; head and processes): 0 = the stage default
  *             (KVS_STAGE_POOL_SPIN, short), -1 = the pool's long default, as
  *             the single-process run uses; KVASIR_SPIN in the environment
- *             overrides both (see src/kernels/pool.c) Exit status: 0 when every target passes, 1 when one
+ *             overrides both (see src/kernels/pool.c)
+ *   --groups  the head's decode groups (kvs_stage_params.decode_groups,
+ *             default 1: the 8 sequences step as one batch) Exit status: 0 when every target passes, 1 when one
  * fails, 2 on error. */
 #include <errno.h>
 #include <libgen.h>
@@ -278,14 +280,21 @@ static int fresh_trail(struct kvs_stage *head, struct kvs_stage_hop *h, int cap)
 int main(int argc, char **argv)
 {
     const char *model_path = NULL;
-    long stage_spin = 0;
+    long stage_spin = 0, groups = 1;
     const char *kvasir = getenv("KVASIR_BIN");
     int n_threads = 2, n_tok = 40;
     char self_dir[PATH_MAX], kvasir_buf[PATH_MAX + 16];
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--model") && i + 1 < argc) model_path = argv[++i];
         else if (!strcmp(argv[i], "--kvasir") && i + 1 < argc) kvasir = argv[++i];
-        else if (!strcmp(argv[i], "--stage-spin") && i + 1 < argc) {
+        else if (!strcmp(argv[i], "--groups") && i + 1 < argc) {
+            char *end;
+            groups = strtol(argv[++i], &end, 10);
+            if (*end || groups < 1 || groups > N_CONC) {
+                fprintf(stderr, "bench_ring: --groups: out of range (1..%d)\n", N_CONC);
+                return 2;
+            }
+        } else if (!strcmp(argv[i], "--stage-spin") && i + 1 < argc) {
             char *end;
             stage_spin = strtol(argv[++i], &end, 10);
             if (*end || stage_spin < -1 || stage_spin > 10000000) {
@@ -304,7 +313,7 @@ int main(int argc, char **argv)
             *(thr ? &n_threads : &n_tok) = (int)v;
         } else {
             fprintf(stderr, "usage: bench_ring [--model PATH] [--kvasir PATH] [--threads N] [--tokens N] "
-                            "[--stage-spin N]\n");
+                            "[--stage-spin N] [--groups G]\n");
             return 2;
         }
     }
@@ -394,6 +403,7 @@ int main(int argc, char **argv)
     sp.n_ctx = N_CTX;
     sp.n_seq = N_CONC;
     sp.pool_spin = (int32_t)stage_spin;
+    sp.decode_groups = (int32_t)groups;
     if (kvs_stage_create(&sp, &head, eb, sizeof eb)) {
         fprintf(stderr, "bench_ring: head stage: %s\n", eb);
         goto done;
@@ -489,6 +499,7 @@ int main(int argc, char **argv)
         free(rs[i].t);
         rs[i].t = NULL;
     }
+    printf("    decode groups %ld\n", groups);
     printf("(c) %d concurrent sequences: %.2f tok/s aggregate (%d tokens in %.2f s)  ratio to 1 sequence %.3f\n",
            N_CONC, conc, cnt, t_end - t_start, conc / ring1);
     printf("    ring CPU %.1f ms per token (%.2f cores busy on average over %.2f s)\n", 1e3 * cpu_c / tok_c,
