@@ -354,39 +354,6 @@ static void ring_usage(FILE *f)
                "                       bit-identical to a single process (docs/PROTOCOL.md section 5)\n");
 }
 
-/* A free loopback port (bound then released: another process could take it
- * before the stage binds it, which then fails loudly). */
-static int free_port(void)
-{
-    struct kvs_listener *l;
-    char err[128];
-    if (kvs_tcp_listen("127.0.0.1:0", &l, err, sizeof err)) return -1;
-    int p = kvs_listener_port(l);
-    kvs_listener_close(l);
-    return p;
-}
-
-static void reap(pid_t *pids, int n)
-{
-    for (int i = 0; i < n; i++)
-        if (pids[i] > 0) kill(pids[i], SIGTERM);
-    int64_t deadline = kvs_link_now_ms() + 3000;
-    for (int i = 0; i < n; i++) {
-        if (pids[i] <= 0) continue;
-        for (;;) {
-            pid_t r = waitpid(pids[i], NULL, WNOHANG);
-            if (r == pids[i] || (r < 0 && errno != EINTR)) break;
-            if (kvs_link_now_ms() > deadline) {
-                kill(pids[i], SIGKILL);
-                waitpid(pids[i], NULL, 0);
-                break;
-            }
-            poll(NULL, 0, 20);
-        }
-        pids[i] = 0;
-    }
-}
-
 int kvs_cli_run_ring(int argc, char **argv)
 {
     struct kvs_ring_client_opts co = { .parallel = 1, .n_predict = 128, .ready_timeout_ms = 30000 };
@@ -457,35 +424,6 @@ int kvs_cli_run_ring(int argc, char **argv)
     }
     if (seqs == 0) seqs = co.parallel > 4 ? co.parallel : 4;
 
-    /* n_block, for the even split */
-    char err[512];
-    struct kvs_gguf *g;
-    struct kvs_hparams hp;
-    kvs_err e = kvs_gguf_open(model, &g, err, sizeof err);
-    if (!e) {
-        e = kvs_hparams_read(g, &hp, err, sizeof err);
-        kvs_gguf_close(g);
-    }
-    if (e) {
-        fprintf(stderr, "kvasir run: %s: %s (%s)\n", model, kvs_strerror(e), err);
-        return 1;
-    }
-    if (ring > (long)hp.n_block) {
-        fprintf(stderr, "kvasir run: --ring %ld is more than the model's %u blocks\n", ring, hp.n_block);
-        return 2;
-    }
-    int n = (int)ring;
-    int *port = calloc((size_t)n, sizeof *port);
-    pid_t *pids = calloc((size_t)n, sizeof *pids);
-    if (!port || !pids) return 1;
-    for (int r = 0; r < n; r++)
-        if ((port[r] = free_port()) <= 0) {
-            fprintf(stderr, "kvasir run: no free loopback port\n");
-            free(port);
-            free(pids);
-            return 1;
-        }
-
     /* SIGINT/SIGTERM: handled through a signalfd (the head's stop_fd). */
     sigset_t sigs, old;
     sigemptyset(&sigs);
@@ -495,66 +433,26 @@ int kvs_cli_run_ring(int argc, char **argv)
     pthread_sigmask(SIG_BLOCK, &sigs, &old);
     int sfd = signalfd(-1, &sigs, SFD_CLOEXEC | SFD_NONBLOCK);
 
-    char self[4096];
-    ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (sl <= 0) {
-        fprintf(stderr, "kvasir run: cannot find this binary\n");
-        return 1;
-    }
-    self[sl] = '\0';
-    int rc = 1;
-    struct kvs_stage *head = NULL;
-    char a_listen[64], a_next[64], a_win[64], a_thr[16], a_ctx[16], a_seq[16];
-    for (int r = 1; r < n; r++) {
-        int b = (int)((long)r * hp.n_block / n), en = (int)((long)(r + 1) * hp.n_block / n);
-        snprintf(a_listen, sizeof a_listen, "127.0.0.1:%d", port[r]);
-        snprintf(a_next, sizeof a_next, "127.0.0.1:%d", port[(r + 1) % n]);
-        snprintf(a_win, sizeof a_win, "%d:%d", b, en);
-        snprintf(a_thr, sizeof a_thr, "%ld", threads);
-        snprintf(a_ctx, sizeof a_ctx, "%ld", n_ctx);
-        snprintf(a_seq, sizeof a_seq, "%ld", seqs);
-        char *args[] = { self, "stage", "-m", (char *)model, "--window", a_win, "--listen", a_listen, "--next", a_next,
-                         "--threads", a_thr, "--ctx", a_ctx, "--seqs", a_seq, "--boundary", f32 ? "f32" : "f16",
-                         NULL };
-        fflush(NULL);
-        pid_t pid = fork();
-        if (pid < 0) {
-            fprintf(stderr, "kvasir run: fork: %s\n", strerror(errno));
-            goto done;
-        }
-        if (pid == 0) {
-            prctl(PR_SET_PDEATHSIG, SIGTERM);
-            pthread_sigmask(SIG_SETMASK, &old, NULL);
-            execv(self, args);
-            _exit(127);
-        }
-        pids[r] = pid;
-        KVS_LOGD("ring: rank %d pid %d window [%d,%d) listen %s", r, (int)pid, b, en, a_listen);
-    }
+    struct kvs_local_ring lr;
     struct kvs_stage_params sp = kvs_stage_default_params();
-    snprintf(a_listen, sizeof a_listen, "127.0.0.1:%d", port[0]);
-    snprintf(a_next, sizeof a_next, "127.0.0.1:%d", port[1 % n]);
-    sp.model_path = model;
-    sp.block_begin = 0;
-    sp.block_end = (int32_t)(hp.n_block / (uint32_t)n);
-    sp.listen = a_listen;
-    sp.next = a_next;
-    sp.n_threads = (int32_t)threads;
-    sp.n_ctx = (int32_t)n_ctx;
-    sp.n_seq = (int32_t)seqs;
-    sp.boundary_f32 = f32;
+    struct kvs_local_ring_opts lo = { .who = "run", .model = model, .n = (int)ring, .threads = threads,
+                                      .n_ctx = n_ctx, .seqs = seqs, .boundary_f32 = f32, .child_mask = &old };
+    struct kvs_stage *head = NULL;
+    int rc = kvs_local_ring_start(&lo, &lr, &sp);
+    if (rc) goto done;
+    rc = 1;
     sp.stop_fd = sfd;
-    if ((e = kvs_stage_create(&sp, &head, err, sizeof err))) {
+    char err[512];
+    kvs_err e = kvs_stage_create(&sp, &head, err, sizeof err);
+    if (e) {
         fprintf(stderr, "kvasir run: head stage: %s (%s)\n", kvs_strerror(e), err);
         goto done;
     }
     rc = kvs_ring_client(head, &co);
 done:
     kvs_stage_free(head);
-    reap(pids, n);
+    kvs_local_ring_stop(&lr);
     if (sfd >= 0) close(sfd);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    free(port);
-    free(pids);
     return rc;
 }

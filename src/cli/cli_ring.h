@@ -23,6 +23,39 @@ struct kvs_ring_client_opts {
  * through the request API, stops the loop. Returns a process exit code. */
 int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o);
 
+/* --- a local ring (run --ring N, serve --ring N) ---------------------------- */
+#include <signal.h>
+#include <sys/types.h>
+
+struct kvs_local_ring_opts {
+    const char *who;          /* "run" or "serve", for messages */
+    const char *model;        /* GGUF path every stage opens */
+    int n;                    /* stages, 2..n_block: an even split of the blocks */
+    long threads, n_ctx, seqs, step_delay_ms;
+    bool boundary_f32;
+    const sigset_t *child_mask; /* signal mask the children start with (NULL: inherited) */
+};
+
+struct kvs_local_ring {
+    int n;
+    uint32_t n_block;
+    int *ports;               /* [n] loopback ports, rank order */
+    pid_t *pids;              /* [n] child pids; [0] (the head, in this process) is 0 */
+    char head_listen[64], head_next[64];
+};
+
+/* Starts ranks 1..n-1 as child `kvasir stage` processes (this binary) with
+ * an even split of the model's blocks on free loopback ports, and fills the
+ * head's (rank 0) window, addresses and settings into *head (strings point
+ * into lr and o). Returns 0, or an exit code (1 runtime, 2 usage) after
+ * printing the error and stopping what it started. */
+int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_ring *lr,
+                         struct kvs_stage_params *head);
+/* Reaps children that exited (logging each); returns how many did. */
+int kvs_local_ring_poll_children(struct kvs_local_ring *lr);
+/* SIGTERM to every child, reaped within 3 s (then SIGKILL); frees lr's arrays. */
+void kvs_local_ring_stop(struct kvs_local_ring *lr);
+
 /* `kvasir run --ring N ...` (called from kvs_cli_run). */
 int kvs_cli_run_ring(int argc, char **argv);
 

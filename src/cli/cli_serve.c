@@ -17,6 +17,7 @@
 
 #include "api/api.h"
 #include "cli/cli.h"
+#include "cli/cli_ring.h"
 #include "common/log.h"
 #include "gguf/gguf.h"
 #include "link/link.h"
@@ -46,37 +47,6 @@ static int serve_num(const char *s, long lo, long hi, long *out)
     if (errno || end == s || *end || v < lo || v > hi) return -1;
     *out = v;
     return 0;
-}
-
-static int serve_free_port(void)
-{
-    struct kvs_listener *l;
-    char err[128];
-    if (kvs_tcp_listen("127.0.0.1:0", &l, err, sizeof err)) return -1;
-    int p = kvs_listener_port(l);
-    kvs_listener_close(l);
-    return p;
-}
-
-static void serve_reap(pid_t *pids, int n)
-{
-    for (int i = 0; i < n; i++)
-        if (pids[i] > 0) kill(pids[i], SIGTERM);
-    int64_t deadline = kvs_link_now_ms() + 3000;
-    for (int i = 0; i < n; i++) {
-        if (pids[i] <= 0) continue;
-        for (;;) {
-            pid_t r = waitpid(pids[i], NULL, WNOHANG);
-            if (r == pids[i] || (r < 0 && errno != EINTR)) break;
-            if (kvs_link_now_ms() > deadline) {
-                kill(pids[i], SIGKILL);
-                waitpid(pids[i], NULL, 0);
-                break;
-            }
-            poll(NULL, 0, 20);
-        }
-        pids[i] = 0;
-    }
 }
 
 static void *serve_loop(void *arg)
@@ -134,39 +104,6 @@ int kvs_cli_serve(int argc, char **argv)
         return 2;
     }
 
-    char err[512];
-    struct kvs_gguf *g;
-    struct kvs_hparams hp;
-    kvs_err e = kvs_gguf_open(model, &g, err, sizeof err);
-    if (!e) {
-        e = kvs_hparams_read(g, &hp, err, sizeof err);
-        kvs_gguf_close(g);
-    }
-    if (e) {
-        fprintf(stderr, "kvasir serve: %s: %s (%s)\n", model, kvs_strerror(e), err);
-        return 1;
-    }
-    if (ring > (long)hp.n_block) {
-        fprintf(stderr, "kvasir serve: --ring %ld is more than the model's %u blocks\n", ring, hp.n_block);
-        return 2;
-    }
-    int n = (int)ring;
-    int *ports = calloc((size_t)n, sizeof *ports);
-    pid_t *pids = calloc((size_t)n, sizeof *pids);
-    if (!ports || !pids) {
-        free(ports);
-        free(pids);
-        return 1;
-    }
-    int rc = 1;
-    for (int r = 0; r < n; r++)
-        if ((ports[r] = serve_free_port()) <= 0) {
-            fprintf(stderr, "kvasir serve: no free loopback port\n");
-            free(ports);
-            free(pids);
-            return 1;
-        }
-
     sigset_t sigs, old;
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGINT);
@@ -176,60 +113,24 @@ int kvs_cli_serve(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     int sfd = signalfd(-1, &sigs, SFD_CLOEXEC | SFD_NONBLOCK);
 
-    char self[4096];
-    ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
+    char err[512];
+    kvs_err e;
     struct kvs_stage *head = NULL;
     struct kvs_api *api = NULL;
     pthread_t loop;
     bool loop_started = false;
-    if (sl <= 0 || sfd < 0) {
-        fprintf(stderr, "kvasir serve: cannot find this binary or set up signals\n");
+    struct kvs_local_ring lr;
+    struct kvs_stage_params sp = kvs_stage_default_params();
+    struct kvs_local_ring_opts lo = { .who = "serve", .model = model, .n = (int)ring, .threads = threads,
+                                      .n_ctx = n_ctx, .seqs = seqs, .step_delay_ms = delay,
+                                      .boundary_f32 = f32, .child_mask = &old };
+    int rc = sfd < 0 ? 1 : kvs_local_ring_start(&lo, &lr, &sp);
+    if (rc) {
+        if (sfd < 0) fprintf(stderr, "kvasir serve: cannot set up signals\n");
+        memset(&lr, 0, sizeof lr);
         goto done;
     }
-    self[sl] = '\0';
-
-    char a_listen[64], a_next[64], a_win[64], a_thr[16], a_ctx[16], a_seq[16], a_delay[16];
-    for (int r = 1; r < n; r++) {
-        int b = (int)((long)r * hp.n_block / n), en = (int)((long)(r + 1) * hp.n_block / n);
-        snprintf(a_listen, sizeof a_listen, "127.0.0.1:%d", ports[r]);
-        snprintf(a_next, sizeof a_next, "127.0.0.1:%d", ports[(r + 1) % n]);
-        snprintf(a_win, sizeof a_win, "%d:%d", b, en);
-        snprintf(a_thr, sizeof a_thr, "%ld", threads);
-        snprintf(a_ctx, sizeof a_ctx, "%ld", n_ctx);
-        snprintf(a_seq, sizeof a_seq, "%ld", seqs);
-        snprintf(a_delay, sizeof a_delay, "%ld", delay);
-        char *args[] = { self, "stage", "-m", (char *)model, "--window", a_win, "--listen", a_listen,
-                         "--next", a_next, "--threads", a_thr, "--ctx", a_ctx, "--seqs", a_seq,
-                         "--boundary", f32 ? "f32" : "f16", delay ? "--step-delay" : NULL, a_delay, NULL };
-        fflush(NULL);
-        pid_t pid = fork();
-        if (pid < 0) {
-            fprintf(stderr, "kvasir serve: fork: %s\n", strerror(errno));
-            goto done;
-        }
-        if (pid == 0) {
-            prctl(PR_SET_PDEATHSIG, SIGTERM);
-            pthread_sigmask(SIG_SETMASK, &old, NULL);
-            execv(self, args);
-            _exit(127);
-        }
-        pids[r] = pid;
-        KVS_LOGI("serve: rank %d (pid %d) blocks [%d,%d) on %s", r, (int)pid, b, en, a_listen);
-    }
-
-    struct kvs_stage_params sp = kvs_stage_default_params();
-    snprintf(a_listen, sizeof a_listen, "127.0.0.1:%d", ports[0]);
-    snprintf(a_next, sizeof a_next, "127.0.0.1:%d", ports[1 % n]);
-    sp.model_path = model;
-    sp.block_begin = 0;
-    sp.block_end = (int32_t)(hp.n_block / (uint32_t)n);
-    sp.listen = a_listen;
-    sp.next = a_next;
-    sp.n_threads = (int32_t)threads;
-    sp.n_ctx = (int32_t)n_ctx;
-    sp.n_seq = (int32_t)seqs;
-    sp.boundary_f32 = f32;
-    sp.step_delay_ms = (int32_t)delay;
+    rc = 1;
     if ((e = kvs_stage_create(&sp, &head, err, sizeof err))) {
         fprintf(stderr, "kvasir serve: head stage: %s (%s)\n", kvs_strerror(e), err);
         goto done;
@@ -250,7 +151,7 @@ int kvs_cli_serve(int argc, char **argv)
         fprintf(stderr, "kvasir serve: API: %s (%s)\n", kvs_strerror(e), err);
         goto done;
     }
-    KVS_LOGI("serve: ring of %d stages, API on http://%s:%u", n, host, (unsigned)kvs_api_port(api));
+    KVS_LOGI("serve: ring of %d stages, API on http://%s:%u", lr.n, host, (unsigned)kvs_api_port(api));
 
     /* Wait for a signal; note children that die (the ring then reports not ready). */
     for (;;) {
@@ -265,13 +166,7 @@ int kvs_cli_serve(int argc, char **argv)
         } else if (pr < 0 && errno != EINTR) {
             break;
         }
-        for (int r = 1; r < n; r++) {
-            int st;
-            if (pids[r] > 0 && waitpid(pids[r], &st, WNOHANG) == pids[r]) {
-                KVS_LOGE("serve: rank %d (pid %d) exited (status %d)", r, (int)pids[r], st);
-                pids[r] = 0;
-            }
-        }
+        kvs_local_ring_poll_children(&lr);
     }
     rc = 0;
 done:
@@ -281,10 +176,8 @@ done:
         pthread_join(loop, NULL);
     }
     kvs_stage_free(head);
-    serve_reap(pids, n);
+    kvs_local_ring_stop(&lr);
     if (sfd >= 0) close(sfd);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    free(ports);
-    free(pids);
     return rc;
 }

@@ -1,0 +1,159 @@
+/* A ring of local stage processes on loopback, for `kvasir run --ring N` and
+ * `kvasir serve --ring N`: ranks 1..N-1 are child `kvasir stage` processes
+ * (this same binary), rank 0 (the head) runs in the caller. */
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "cli/cli_ring.h"
+#include "common/log.h"
+#include "gguf/gguf.h"
+#include "link/link.h"
+#include "model/model.h"
+
+/* A free loopback port (bound then released: another process could take it
+ * before the stage binds it, which then fails loudly). */
+static int free_port(void)
+{
+    struct kvs_listener *l;
+    char err[128];
+    if (kvs_tcp_listen("127.0.0.1:0", &l, err, sizeof err)) return -1;
+    int p = kvs_listener_port(l);
+    kvs_listener_close(l);
+    return p;
+}
+
+int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_ring *lr,
+                         struct kvs_stage_params *head)
+{
+    memset(lr, 0, sizeof *lr);
+    char err[512];
+    struct kvs_gguf *g;
+    struct kvs_hparams hp;
+    kvs_err e = kvs_gguf_open(o->model, &g, err, sizeof err);
+    if (!e) {
+        e = kvs_hparams_read(g, &hp, err, sizeof err);
+        kvs_gguf_close(g);
+    }
+    if (e) {
+        fprintf(stderr, "kvasir %s: %s: %s (%s)\n", o->who, o->model, kvs_strerror(e), err);
+        return 1;
+    }
+    if (o->n < 2 || o->n > (int)hp.n_block) {
+        fprintf(stderr, "kvasir %s: --ring %d: a ring needs 2 to %u stages for this model's %u blocks\n", o->who,
+                o->n, hp.n_block, hp.n_block);
+        return 2;
+    }
+    const int n = o->n;
+    lr->n = n;
+    lr->n_block = hp.n_block;
+    lr->ports = calloc((size_t)n, sizeof *lr->ports);
+    lr->pids = calloc((size_t)n, sizeof *lr->pids);
+    if (!lr->ports || !lr->pids) goto fail;
+    for (int r = 0; r < n; r++)
+        if ((lr->ports[r] = free_port()) <= 0) {
+            fprintf(stderr, "kvasir %s: no free loopback port\n", o->who);
+            goto fail;
+        }
+    char self[4096];
+    ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (sl <= 0) {
+        fprintf(stderr, "kvasir %s: cannot find this binary\n", o->who);
+        goto fail;
+    }
+    self[sl] = '\0';
+
+    char a_listen[64], a_next[64], a_win[64], a_thr[16], a_ctx[16], a_seq[16], a_delay[16];
+    for (int r = 1; r < n; r++) {
+        int b = (int)((long)r * hp.n_block / n), en = (int)((long)(r + 1) * hp.n_block / n);
+        snprintf(a_listen, sizeof a_listen, "127.0.0.1:%d", lr->ports[r]);
+        snprintf(a_next, sizeof a_next, "127.0.0.1:%d", lr->ports[(r + 1) % n]);
+        snprintf(a_win, sizeof a_win, "%d:%d", b, en);
+        snprintf(a_thr, sizeof a_thr, "%ld", o->threads);
+        snprintf(a_ctx, sizeof a_ctx, "%ld", o->n_ctx);
+        snprintf(a_seq, sizeof a_seq, "%ld", o->seqs);
+        snprintf(a_delay, sizeof a_delay, "%ld", o->step_delay_ms);
+        char *args[] = { self, "stage", "-m", (char *)o->model, "--window", a_win, "--listen", a_listen,
+                         "--next", a_next, "--threads", a_thr, "--ctx", a_ctx, "--seqs", a_seq,
+                         "--boundary", o->boundary_f32 ? "f32" : "f16",
+                         o->step_delay_ms ? "--step-delay" : NULL, a_delay, NULL };
+        fflush(NULL);
+        pid_t pid = fork();
+        if (pid < 0) {
+            fprintf(stderr, "kvasir %s: fork: %s\n", o->who, strerror(errno));
+            goto fail;
+        }
+        if (pid == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGTERM);
+            if (o->child_mask) pthread_sigmask(SIG_SETMASK, o->child_mask, NULL);
+            execv(self, args);
+            _exit(127);
+        }
+        lr->pids[r] = pid;
+        KVS_LOGI("%s: rank %d (pid %d) blocks [%d,%d) on %s", o->who, r, (int)pid, b, en, a_listen);
+    }
+    snprintf(lr->head_listen, sizeof lr->head_listen, "127.0.0.1:%d", lr->ports[0]);
+    snprintf(lr->head_next, sizeof lr->head_next, "127.0.0.1:%d", lr->ports[1 % n]);
+    head->model_path = o->model;
+    head->block_begin = 0;
+    head->block_end = (int32_t)(hp.n_block / (uint32_t)n);
+    head->listen = lr->head_listen;
+    head->next = lr->head_next;
+    head->n_threads = (int32_t)o->threads;
+    head->n_ctx = (int32_t)o->n_ctx;
+    head->n_seq = (int32_t)o->seqs;
+    head->boundary_f32 = o->boundary_f32;
+    head->step_delay_ms = (int32_t)o->step_delay_ms;
+    return 0;
+fail:
+    kvs_local_ring_stop(lr);
+    return 1;
+}
+
+int kvs_local_ring_poll_children(struct kvs_local_ring *lr)
+{
+    int died = 0;
+    for (int r = 1; r < lr->n; r++) {
+        int st;
+        if (lr->pids && lr->pids[r] > 0 && waitpid(lr->pids[r], &st, WNOHANG) == lr->pids[r]) {
+            KVS_LOGE("rank %d (pid %d) exited (status %d)", r, (int)lr->pids[r], st);
+            lr->pids[r] = 0;
+            died++;
+        }
+    }
+    return died;
+}
+
+void kvs_local_ring_stop(struct kvs_local_ring *lr)
+{
+    if (lr->pids) {
+        for (int i = 0; i < lr->n; i++)
+            if (lr->pids[i] > 0) kill(lr->pids[i], SIGTERM);
+        int64_t deadline = kvs_link_now_ms() + 3000;
+        for (int i = 0; i < lr->n; i++) {
+            if (lr->pids[i] <= 0) continue;
+            for (;;) {
+                pid_t r = waitpid(lr->pids[i], NULL, WNOHANG);
+                if (r == lr->pids[i] || (r < 0 && errno != EINTR)) break;
+                if (kvs_link_now_ms() > deadline) {
+                    kill(lr->pids[i], SIGKILL);
+                    waitpid(lr->pids[i], NULL, 0);
+                    break;
+                }
+                poll(NULL, 0, 20);
+            }
+            lr->pids[i] = 0;
+        }
+    }
+    free(lr->ports);
+    free(lr->pids);
+    lr->ports = NULL;
+    lr->pids = NULL;
+    lr->n = 0;
+}
