@@ -194,31 +194,13 @@ static void set_dev(struct kvs_plan_device *d, const char *name, enum kvs_plan_b
 
 enum { GPU24, GPU16, CPU64, NPU8, PHONE_A, PHONE_B, N_DEV };
 
-static void test_mixed_inventory(void **state)
+/* Checks a plan for ctx 32768 x 2 seqs: windows contiguous, non-empty and
+ * covering every block, one per device; each rank's weights, KV and buffers
+ * recomputed by hand and within its device's memory; the predicted token time
+ * equal to the sum of stage and hop times computed here from the device
+ * figures. Fills blocks[] (per device) and returns that hand-computed time. */
+static double check_plan(const struct kvs_plan_inventory *inv, const struct kvs_plan_result *res, int blocks[N_DEV])
 {
-    (void)state;
-    struct kvs_plan_model *m = NULL;
-    char err[256];
-    assert_int_equal(kvs_plan_model_from_gguf(g_gguf, &m, err, sizeof err), KVS_OK);
-    struct kvs_plan_inventory *inv = calloc(1, sizeof *inv);
-    struct kvs_plan_result *res = calloc(1, sizeof *res);
-    assert_non_null(inv);
-    assert_non_null(res);
-    inv->n_devices = N_DEV;
-    inv->relay_rtt_ms = 40;
-    set_dev(&inv->devices[GPU24], "gpu-24g", KVS_PLAN_BACKEND_CUDA, 24, 900, 0.2, 10000, true);
-    set_dev(&inv->devices[GPU16], "gpu-16g", KVS_PLAN_BACKEND_VULKAN, 16, 450, 0.2, 10000, true);
-    set_dev(&inv->devices[CPU64], "cpu-64g", KVS_PLAN_BACKEND_CPU, 64, 60, 0.2, 10000, true);
-    set_dev(&inv->devices[NPU8], "npu-8g", KVS_PLAN_BACKEND_NPU, 8, 30, 1.0, 1000, true);
-    set_dev(&inv->devices[PHONE_A], "phone-a", KVS_PLAN_BACKEND_OPENCL, 12, 25, 30, 100, false);
-    set_dev(&inv->devices[PHONE_B], "phone-b", KVS_PLAN_BACKEND_OPENCL, 12, 25, 30, 100, false);
-    struct kvs_plan_targets t = kvs_plan_default_targets();
-    t.ctx = 32768;
-    t.seqs = 2;
-    assert_int_equal(kvs_plan_solve(m, inv, &t, res, err, sizeof err), KVS_OK);
-    assert_true(res->exhaustive); /* 6 devices: every ring order tried */
-
-    int blocks[N_DEV] = { 0 };
     uint32_t at = 0;
     const uint64_t buf = 512ull * E * 4 * 8;       /* ubatch * n_embd * 4 bytes * 8 */
     const uint64_t logits = 2ull * V * 4;          /* seqs * n_vocab * 4 */
@@ -272,6 +254,35 @@ static void test_mixed_inventory(void **state)
            res->decode_tps_1, res->decode_tps_seqs);
     double diff = res->token_ms - hand_ms;
     assert_true(diff < 1e-9 * hand_ms && -diff < 1e-9 * hand_ms);
+    return hand_ms;
+}
+
+static void test_mixed_inventory(void **state)
+{
+    (void)state;
+    struct kvs_plan_model *m = NULL;
+    char err[256];
+    assert_int_equal(kvs_plan_model_from_gguf(g_gguf, &m, err, sizeof err), KVS_OK);
+    struct kvs_plan_inventory *inv = calloc(1, sizeof *inv);
+    struct kvs_plan_result *res = calloc(1, sizeof *res);
+    assert_non_null(inv);
+    assert_non_null(res);
+    inv->n_devices = N_DEV;
+    inv->relay_rtt_ms = 40;
+    set_dev(&inv->devices[GPU24], "gpu-24g", KVS_PLAN_BACKEND_CUDA, 24, 900, 0.2, 10000, true);
+    set_dev(&inv->devices[GPU16], "gpu-16g", KVS_PLAN_BACKEND_VULKAN, 16, 450, 0.2, 10000, true);
+    set_dev(&inv->devices[CPU64], "cpu-64g", KVS_PLAN_BACKEND_CPU, 64, 60, 0.2, 10000, true);
+    set_dev(&inv->devices[NPU8], "npu-8g", KVS_PLAN_BACKEND_NPU, 8, 30, 1.0, 1000, true);
+    set_dev(&inv->devices[PHONE_A], "phone-a", KVS_PLAN_BACKEND_OPENCL, 12, 25, 30, 100, false);
+    set_dev(&inv->devices[PHONE_B], "phone-b", KVS_PLAN_BACKEND_OPENCL, 12, 25, 30, 100, false);
+    struct kvs_plan_targets t = kvs_plan_default_targets();
+    t.ctx = 32768;
+    t.seqs = 2;
+    assert_int_equal(kvs_plan_solve(m, inv, &t, res, err, sizeof err), KVS_OK);
+    assert_true(res->exhaustive); /* 6 devices: every ring order tried */
+
+    int blocks[N_DEV] = { 0 };
+    double hand_ms = check_plan(inv, res, blocks);
     /* Pipeline model: S / max(token_ms, S * max stage) tokens per ms. */
     double maxst = 0;
     for (size_t r = 0; r < res->n_ranks; r++)
@@ -313,6 +324,8 @@ static void test_mixed_inventory(void **state)
      * need - capacity by hand (docs/PLAN.md "Infeasible"). */
     inv->devices[CPU64] = inv->devices[N_DEV - 1];
     inv->n_devices = N_DEV - 1;
+    const uint64_t buf = 512ull * E * 4 * 8, logits = 2ull * V * 4, kv_tok = 2048;
+    const uint64_t mtp = hand_block_weights() + q80(2 * E * E);
     uint64_t need = N_RUN * (hand_block_weights() + kv_tok * 32768 * 2) + q6k(E * V) + f32(E) + q6k(E * V) + mtp +
                     logits;
     uint64_t cap = (24000000000ull - buf) + (16000000000ull - buf) + (8000000000ull - buf) +
@@ -325,11 +338,56 @@ static void test_mixed_inventory(void **state)
     free(m);
 }
 
+
+/* The same devices with a 30 GB CPU box: the fast devices alone (24 + 16 +
+ * 30 GB) cannot hold the 77.5 GB model and its KV cache, so the NPU and a
+ * phone behind the relay must serve blocks too: they get the smallest
+ * windows, and the plan still meets every invariant and the hand-computed
+ * token time. */
+static void test_tight_inventory(void **state)
+{
+    (void)state;
+    struct kvs_plan_model *m = NULL;
+    char err[256];
+    assert_int_equal(kvs_plan_model_from_gguf(g_gguf, &m, err, sizeof err), KVS_OK);
+    struct kvs_plan_inventory *inv = calloc(1, sizeof *inv);
+    struct kvs_plan_result *res = calloc(1, sizeof *res);
+    assert_non_null(inv);
+    assert_non_null(res);
+    inv->n_devices = N_DEV;
+    inv->relay_rtt_ms = 40;
+    set_dev(&inv->devices[GPU24], "gpu-24g", KVS_PLAN_BACKEND_CUDA, 24, 900, 0.2, 10000, true);
+    set_dev(&inv->devices[GPU16], "gpu-16g", KVS_PLAN_BACKEND_VULKAN, 16, 450, 0.2, 10000, true);
+    set_dev(&inv->devices[CPU64], "cpu-30g", KVS_PLAN_BACKEND_CPU, 30, 60, 0.2, 10000, true);
+    set_dev(&inv->devices[NPU8], "npu-8g", KVS_PLAN_BACKEND_NPU, 8, 30, 1.0, 1000, true);
+    set_dev(&inv->devices[PHONE_A], "phone-a", KVS_PLAN_BACKEND_OPENCL, 12, 25, 30, 100, false);
+    set_dev(&inv->devices[PHONE_B], "phone-b", KVS_PLAN_BACKEND_OPENCL, 12, 25, 30, 100, false);
+    struct kvs_plan_targets t = kvs_plan_default_targets();
+    t.ctx = 32768;
+    t.seqs = 2;
+    assert_int_equal(kvs_plan_solve(m, inv, &t, res, err, sizeof err), KVS_OK);
+    int blocks[N_DEV] = { 0 };
+    double hand_ms = check_plan(inv, res, blocks);
+    printf("tight: predicted %.4f ms/token (hand %.4f), %.2f tok/s\n", res->token_ms, hand_ms, res->decode_tps_1);
+    /* Slow and relay-only devices are needed, and get the small windows. */
+    assert_true(blocks[NPU8] > 0);
+    assert_true(blocks[PHONE_A] + blocks[PHONE_B] > 0);
+    int min_fast = blocks[GPU24];
+    if (blocks[GPU16] < min_fast) min_fast = blocks[GPU16];
+    if (blocks[CPU64] < min_fast) min_fast = blocks[CPU64];
+    assert_true(blocks[NPU8] < min_fast);
+    assert_true(blocks[PHONE_A] < min_fast && blocks[PHONE_B] < min_fast);
+    assert_true(blocks[PHONE_A] + blocks[PHONE_B] <= blocks[NPU8] + 4);
+    free(inv);
+    free(res);
+    free(m);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_profile),
-        cmocka_unit_test(test_mixed_inventory),
+        cmocka_unit_test(test_mixed_inventory), cmocka_unit_test(test_tight_inventory),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
