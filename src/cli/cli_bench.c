@@ -7,7 +7,6 @@
  * prefill_gflops: a register-resident multiply-add loop, 2 FLOPs per FMA, over
  * all threads (an upper-bound estimate; no matmul). mem_bytes: MemAvailable
  * from /proc/meminfo. */
-#include <errno.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -113,17 +112,6 @@ static void bench_usage(FILE *f)
                "  --mib M      buffer to stream, MiB (default 512)\n");
 }
 
-static int parse_int(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi)
-        return -1;
-    *out = v;
-    return 0;
-}
-
 /* Writes s as a JSON string body (escapes quotes, backslashes, controls). */
 static void json_str(FILE *f, const char *s)
 {
@@ -165,13 +153,13 @@ int kvs_cli_bench(int argc, char **argv)
             snprintf(name, sizeof name, "%s", v);
             i++;
         } else if (!strcmp(a, "--threads") && v) {
-            if (parse_int(v, 1, 256, &threads)) {
+            if (kvs_cli_parse_long(v, 1, 256, &threads)) {
                 fprintf(stderr, "kvasir bench: --threads must be 1..256\n");
                 return 2;
             }
             i++;
         } else if (!strcmp(a, "--mib") && v) {
-            if (parse_int(v, 1, 65536, &mib)) {
+            if (kvs_cli_parse_long(v, 1, 65536, &mib)) {
                 fprintf(stderr, "kvasir bench: --mib must be 1..65536\n");
                 return 2;
             }

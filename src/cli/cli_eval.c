@@ -23,16 +23,6 @@ static void eval_usage(FILE *f)
                "  {\"pos\": i, \"top\": [[id, prob], ...]} (K entries, default 8).\n");
 }
 
-static int eval_parse_int(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
 /* Parses "1,2,3" into a malloc'd array. Returns the count or -1. */
 static int64_t eval_parse_tokens(const char *s, int32_t **out)
 {
@@ -80,11 +70,11 @@ int kvs_cli_eval(int argc, char **argv)
         else if (!strcmp(a, "--tokens"))
             tokens = v;
         else if (!strcmp(a, "--top"))
-            bad = eval_parse_int(v, 1, EVAL_MAX_TOP, &top);
+            bad = kvs_cli_parse_long(v, 1, EVAL_MAX_TOP, &top);
         else if (!strcmp(a, "--threads") || !strcmp(a, "-t"))
-            bad = eval_parse_int(v, 1, 512, &threads);
+            bad = kvs_cli_parse_long(v, 1, 512, &threads);
         else if (!strcmp(a, "--batch") || !strcmp(a, "-b"))
-            bad = eval_parse_int(v, 1, 65536, &batch);
+            bad = kvs_cli_parse_long(v, 1, 65536, &batch);
         else {
             fprintf(stderr, "kvasir eval: unknown option: %s\n", a);
             eval_usage(stderr);

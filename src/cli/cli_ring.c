@@ -319,26 +319,6 @@ int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o
 
 /* --- kvasir run --ring N ------------------------------------------------------------ */
 
-static int parse_long(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
-static int parse_float(const char *s, float *out)
-{
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (errno || end == s || *end || v != v) return -1;
-    *out = v;
-    return 0;
-}
-
 static void ring_usage(FILE *f)
 {
     fprintf(f, "usage: kvasir run --ring N -m MODEL (-p TEXT | --prompts FILE) [options]\n"
@@ -381,28 +361,28 @@ int kvs_cli_run_ring(int argc, char **argv)
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) co.prompt = v;
         else if (!strcmp(a, "--prompts")) co.prompts_path = v;
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
-            bad = parse_long(v, 1, 1 << 24, &lv);
+            bad = kvs_cli_parse_long(v, 1, 1 << 24, &lv);
             co.n_predict = (int32_t)lv;
-        } else if (!strcmp(a, "--temp")) bad = parse_float(v, &co.sp.temp);
+        } else if (!strcmp(a, "--temp")) bad = kvs_cli_parse_float(v, &co.sp.temp);
         else if (!strcmp(a, "--top-k")) {
-            bad = parse_long(v, -1, 1 << 30, &lv);
+            bad = kvs_cli_parse_long(v, -1, 1 << 30, &lv);
             co.sp.top_k = (int32_t)lv;
-        } else if (!strcmp(a, "--top-p")) bad = parse_float(v, &co.sp.top_p);
-        else if (!strcmp(a, "--min-p")) bad = parse_float(v, &co.sp.min_p);
-        else if (!strcmp(a, "--repeat-penalty")) bad = parse_float(v, &co.sp.repeat_penalty);
+        } else if (!strcmp(a, "--top-p")) bad = kvs_cli_parse_float(v, &co.sp.top_p);
+        else if (!strcmp(a, "--min-p")) bad = kvs_cli_parse_float(v, &co.sp.min_p);
+        else if (!strcmp(a, "--repeat-penalty")) bad = kvs_cli_parse_float(v, &co.sp.repeat_penalty);
         else if (!strcmp(a, "--seed")) {
             char *end;
             errno = 0;
             unsigned long long s = strtoull(v, &end, 10);
             bad = errno || end == v || *end || v[0] == '-';
             co.sp.seed = (uint64_t)s;
-        } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) bad = parse_long(v, 1, 512, &threads);
-        else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) bad = parse_long(v, 1, 1 << 24, &n_ctx);
-        else if (!strcmp(a, "--ring")) bad = parse_long(v, 2, 1024, &ring);
+        } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) bad = kvs_cli_parse_long(v, 1, 512, &threads);
+        else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) bad = kvs_cli_parse_long(v, 1, 1 << 24, &n_ctx);
+        else if (!strcmp(a, "--ring")) bad = kvs_cli_parse_long(v, 2, 1024, &ring);
         else if (!strcmp(a, "--parallel")) {
-            bad = parse_long(v, 1, 1024, &lv);
+            bad = kvs_cli_parse_long(v, 1, 1024, &lv);
             co.parallel = (int32_t)lv;
-        } else if (!strcmp(a, "--seqs")) bad = parse_long(v, 1, 1024, &seqs);
+        } else if (!strcmp(a, "--seqs")) bad = kvs_cli_parse_long(v, 1, 1024, &seqs);
         else if (!strcmp(a, "--boundary")) {
             bad = strcmp(v, "f16") && strcmp(v, "f32");
             f32 = !strcmp(v, "f32");

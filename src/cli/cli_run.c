@@ -43,26 +43,6 @@ static void run_usage(FILE *f)
                "  --ring N             run as a local ring of N stages\n");
 }
 
-static int run_parse_long(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
-static int run_parse_float(const char *s, float *out)
-{
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (errno || end == s || *end || v != v) return -1;
-    *out = v;
-    return 0;
-}
-
 /* Returns 0 on success, 2 on a usage error, 1 if --help was printed. */
 static int run_parse(int argc, char **argv, struct run_opts *o)
 {
@@ -92,18 +72,18 @@ static int run_parse(int argc, char **argv, struct run_opts *o)
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt"))
             o->prompt = v;
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict"))
-            bad = run_parse_long(v, 0, 1 << 24, &o->n_predict);
+            bad = kvs_cli_parse_long(v, 0, 1 << 24, &o->n_predict);
         else if (!strcmp(a, "--temp"))
-            bad = run_parse_float(v, &o->sp.temp);
+            bad = kvs_cli_parse_float(v, &o->sp.temp);
         else if (!strcmp(a, "--top-k")) {
-            bad = run_parse_long(v, -1, 1 << 30, &lv);
+            bad = kvs_cli_parse_long(v, -1, 1 << 30, &lv);
             o->sp.top_k = (int32_t)lv;
         } else if (!strcmp(a, "--top-p"))
-            bad = run_parse_float(v, &o->sp.top_p);
+            bad = kvs_cli_parse_float(v, &o->sp.top_p);
         else if (!strcmp(a, "--min-p"))
-            bad = run_parse_float(v, &o->sp.min_p);
+            bad = kvs_cli_parse_float(v, &o->sp.min_p);
         else if (!strcmp(a, "--repeat-penalty"))
-            bad = run_parse_float(v, &o->sp.repeat_penalty);
+            bad = kvs_cli_parse_float(v, &o->sp.repeat_penalty);
         else if (!strcmp(a, "--seed")) {
             char *end;
             errno = 0;
@@ -111,11 +91,11 @@ static int run_parse(int argc, char **argv, struct run_opts *o)
             bad = errno || end == v || *end || v[0] == '-';
             o->sp.seed = (uint64_t)s;
         } else if (!strcmp(a, "--threads") || !strcmp(a, "-t"))
-            bad = run_parse_long(v, 1, 512, &o->threads);
+            bad = kvs_cli_parse_long(v, 1, 512, &o->threads);
         else if (!strcmp(a, "--ctx") || !strcmp(a, "-c"))
-            bad = run_parse_long(v, 1, 1 << 24, &o->n_ctx);
+            bad = kvs_cli_parse_long(v, 1, 1 << 24, &o->n_ctx);
         else if (!strcmp(a, "--ring"))
-            bad = run_parse_long(v, 1, 1024, &o->ring);
+            bad = kvs_cli_parse_long(v, 1, 1024, &o->ring);
         else {
             fprintf(stderr, "kvasir run: unknown option: %s\n", a);
             return 2;

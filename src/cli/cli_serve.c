@@ -39,16 +39,6 @@ static void serve_usage(FILE *f)
                "  --step-delay MS      test hook: sleep before every forward on every stage\n");
 }
 
-static int serve_num(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
 static void *serve_loop(void *arg)
 {
     kvs_err e = kvs_stage_run(arg);
@@ -75,15 +65,15 @@ int kvs_cli_serve(int argc, char **argv)
         }
         int bad = 0;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
-        else if (!strcmp(a, "--ring")) bad = serve_num(v, 2, 1024, &ring);
-        else if (!strcmp(a, "--port")) bad = serve_num(v, 0, 65535, &port);
+        else if (!strcmp(a, "--ring")) bad = kvs_cli_parse_long(v, 2, 1024, &ring);
+        else if (!strcmp(a, "--port")) bad = kvs_cli_parse_long(v, 0, 65535, &port);
         else if (!strcmp(a, "--host")) host = v;
         else if (!strcmp(a, "--model-name")) name = v;
-        else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) bad = serve_num(v, 1, 512, &threads);
-        else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) bad = serve_num(v, 1, 1 << 24, &n_ctx);
-        else if (!strcmp(a, "--seqs")) bad = serve_num(v, 1, 1024, &seqs);
-        else if (!strcmp(a, "--max-body")) bad = serve_num(v, 1024, 1L << 30, &max_body);
-        else if (!strcmp(a, "--step-delay")) bad = serve_num(v, 0, 10000, &delay);
+        else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) bad = kvs_cli_parse_long(v, 1, 512, &threads);
+        else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) bad = kvs_cli_parse_long(v, 1, 1 << 24, &n_ctx);
+        else if (!strcmp(a, "--seqs")) bad = kvs_cli_parse_long(v, 1, 1024, &seqs);
+        else if (!strcmp(a, "--max-body")) bad = kvs_cli_parse_long(v, 1024, 1L << 30, &max_body);
+        else if (!strcmp(a, "--step-delay")) bad = kvs_cli_parse_long(v, 0, 10000, &delay);
         else if (!strcmp(a, "--boundary")) {
             bad = strcmp(v, "f16") && strcmp(v, "f32");
             f32 = !strcmp(v, "f32");

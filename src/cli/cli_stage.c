@@ -40,26 +40,6 @@ static void stage_usage(FILE *f)
                "  --repeat-penalty R  --seed S  --ignore-eos  --parallel P\n", KVS_STAGE_POOL_SPIN);
 }
 
-static int num(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
-static int flt(const char *s, float *out)
-{
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (errno || end == s || *end || v != v) return -1;
-    *out = v;
-    return 0;
-}
-
 static void *stage_loop_thread(void *arg)
 {
     kvs_stage_run(arg);
@@ -130,47 +110,47 @@ int kvs_cli_stage(int argc, char **argv)
         else if (!strcmp(a, "--listen")) p.listen = v;
         else if (!strcmp(a, "--next")) p.next = v;
         else if (!strcmp(a, "--manifest")) manifest = v;
-        else if (!strcmp(a, "--rank")) bad = num(v, 0, 1 << 20, &rank);
+        else if (!strcmp(a, "--rank")) bad = kvs_cli_parse_long(v, 0, 1 << 20, &rank);
         else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
-            bad = num(v, 1, 512, &lv);
+            bad = kvs_cli_parse_long(v, 1, 512, &lv);
             p.n_threads = (int32_t)lv;
         } else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) {
-            bad = num(v, 0, 1 << 24, &lv);
+            bad = kvs_cli_parse_long(v, 0, 1 << 24, &lv);
             p.n_ctx = (int32_t)lv;
             ctx_set = true;
         } else if (!strcmp(a, "--seqs")) {
-            bad = num(v, 1, 1024, &lv);
+            bad = kvs_cli_parse_long(v, 1, 1024, &lv);
             p.n_seq = (int32_t)lv;
             seqs_set = true;
         } else if (!strcmp(a, "--batch")) {
-            bad = num(v, 1, 65536, &lv);
+            bad = kvs_cli_parse_long(v, 1, 65536, &lv);
             p.n_batch = (int32_t)lv;
         } else if (!strcmp(a, "--boundary")) {
             bad = strcmp(v, "f16") && strcmp(v, "f32");
             p.boundary_f32 = !strcmp(v, "f32");
             boundary_set = true;
         } else if (!strcmp(a, "--timeout")) {
-            bad = num(v, 100, 3600000, &lv);
+            bad = kvs_cli_parse_long(v, 100, 3600000, &lv);
             p.timeout_ms = (int32_t)lv;
         } else if (!strcmp(a, "--spin")) {
-            bad = num(v, -1, 10000000, &lv);
+            bad = kvs_cli_parse_long(v, -1, 10000000, &lv);
             p.pool_spin = (int32_t)lv;
         } else if (!strcmp(a, "--step-delay")) {
-            bad = num(v, 0, 60000, &lv);
+            bad = kvs_cli_parse_long(v, 0, 60000, &lv);
             p.step_delay_ms = (int32_t)lv;
-        } else if (!strcmp(a, "--api")) bad = num(v, 1, 65535, &api);
+        } else if (!strcmp(a, "--api")) bad = kvs_cli_parse_long(v, 1, 65535, &api);
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) co.prompt = v;
         else if (!strcmp(a, "--prompts")) co.prompts_path = v;
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
-            bad = num(v, 1, 1 << 24, &lv);
+            bad = kvs_cli_parse_long(v, 1, 1 << 24, &lv);
             co.n_predict = (int32_t)lv;
-        } else if (!strcmp(a, "--temp")) bad = flt(v, &co.sp.temp);
+        } else if (!strcmp(a, "--temp")) bad = kvs_cli_parse_float(v, &co.sp.temp);
         else if (!strcmp(a, "--top-k")) {
-            bad = num(v, -1, 1 << 30, &lv);
+            bad = kvs_cli_parse_long(v, -1, 1 << 30, &lv);
             co.sp.top_k = (int32_t)lv;
-        } else if (!strcmp(a, "--top-p")) bad = flt(v, &co.sp.top_p);
-        else if (!strcmp(a, "--min-p")) bad = flt(v, &co.sp.min_p);
-        else if (!strcmp(a, "--repeat-penalty")) bad = flt(v, &co.sp.repeat_penalty);
+        } else if (!strcmp(a, "--top-p")) bad = kvs_cli_parse_float(v, &co.sp.top_p);
+        else if (!strcmp(a, "--min-p")) bad = kvs_cli_parse_float(v, &co.sp.min_p);
+        else if (!strcmp(a, "--repeat-penalty")) bad = kvs_cli_parse_float(v, &co.sp.repeat_penalty);
         else if (!strcmp(a, "--seed")) {
             char *end;
             errno = 0;
@@ -178,7 +158,7 @@ int kvs_cli_stage(int argc, char **argv)
             bad = errno || end == v || *end || v[0] == '-';
             co.sp.seed = (uint64_t)s;
         } else if (!strcmp(a, "--parallel")) {
-            bad = num(v, 1, 1024, &lv);
+            bad = kvs_cli_parse_long(v, 1, 1024, &lv);
             co.parallel = (int32_t)lv;
         } else {
             fprintf(stderr, "kvasir stage: unknown option: %s\n", a);
