@@ -569,6 +569,32 @@ static void on_prefill(struct kvs_stage *s, const struct kvs_frame *f)
     send_built(s, &h);
 }
 
+/* The n decode rows in s->b_req / s->b_pos went through this stage's window
+ * and their outputs lie in s->y: sample them here (the tail, or a one-stage
+ * ring: s->y holds n rows of logits) or send them onward as one DECODE frame
+ * (docs/PROTOCOL.md §3.4: per row req u32, pos u32, then the boundary rows). */
+static void decode_rows_done(struct kvs_stage *s, int32_t n, bool sample_here)
+{
+    met_add(s, &s->met.decode_rows, (uint64_t)n);
+    if (sample_here) {
+        for (int32_t k = 0; k < n; k++) {
+            struct seq *q = seq_find(s, s->b_req[k]);
+            if (q) tail_sample(s, q, s->y + (size_t)k * s->n_vocab, s->b_pos[k] + 1);
+        }
+        return;
+    }
+    uint8_t *p = s->sbuf + KVS_PROTO_HEADER_BYTES;
+    for (int32_t k = 0; k < n; k++) {
+        kvs_proto_put_u32(p + 8 * k, s->b_req[k]);
+        kvs_proto_put_u32(p + 8 * k + 4, (uint32_t)s->b_pos[k]);
+    }
+    size_t bytes = 8 * (size_t)n + kvs_proto_put_boundary(p + 8 * (size_t)n, s->y, (size_t)n * s->n_embd,
+                                                          s->p.boundary_f32);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_DECODE, .flags = s->p.boundary_f32 ? KVS_FRAME_FLAG_F32 : 0,
+                                  .n_tokens = (uint32_t)n, .payload_len = (uint32_t)bytes };
+    send_built(s, &h);
+}
+
 static void on_decode(struct kvs_stage *s, const struct kvs_frame *f)
 {
     bool f32 = f->h.flags & KVS_FRAME_FLAG_F32;
@@ -606,24 +632,7 @@ static void on_decode(struct kvs_stage *s, const struct kvs_frame *f)
         for (int32_t k = 0; k < n; k++) stage_fail_req(s, seq_find(s, s->b_req[k]), s->b_req[k], e, msg);
         return;
     }
-    met_add(s, &s->met.decode_rows, (uint64_t)n);
-    if (s->is_tail) {
-        for (int32_t k = 0; k < n; k++) {
-            struct seq *q = seq_find(s, s->b_req[k]);
-            if (q) tail_sample(s, q, s->y + (size_t)k * s->n_vocab, s->b_pos[k] + 1);
-        }
-        return;
-    }
-    uint8_t *p = s->sbuf + KVS_PROTO_HEADER_BYTES;
-    for (int32_t k = 0; k < n; k++) {
-        kvs_proto_put_u32(p + 8 * k, s->b_req[k]);
-        kvs_proto_put_u32(p + 8 * k + 4, (uint32_t)s->b_pos[k]);
-    }
-    size_t bytes = 8 * (size_t)n + kvs_proto_put_boundary(p + 8 * (size_t)n, s->y, (size_t)n * s->n_embd,
-                                                          s->p.boundary_f32);
-    struct kvs_frame_header h = { .kind = KVS_FRAME_DECODE, .flags = s->p.boundary_f32 ? KVS_FRAME_FLAG_F32 : 0,
-                                  .n_tokens = (uint32_t)n, .payload_len = (uint32_t)bytes };
-    send_built(s, &h);
+    decode_rows_done(s, n, s->is_tail);
 }
 
 /* Head: token tm of request req, to sit at pos, came back from the tail (or
@@ -1354,24 +1363,7 @@ static void head_decode_group(struct kvs_stage *s, int32_t g, int32_t G)
         }
         return;
     }
-    met_add(s, &s->met.decode_rows, (uint64_t)n);
-    if (s->solo) {
-        for (int32_t k = 0; k < n; k++) {
-            struct seq *q = seq_find(s, s->b_req[k]);
-            if (q) tail_sample(s, q, s->y + (size_t)k * s->n_vocab, s->b_pos[k] + 1);
-        }
-        return;
-    }
-    uint8_t *p = s->sbuf + KVS_PROTO_HEADER_BYTES;
-    for (int32_t k = 0; k < n; k++) {
-        kvs_proto_put_u32(p + 8 * k, s->b_req[k]);
-        kvs_proto_put_u32(p + 8 * k + 4, (uint32_t)s->b_pos[k]);
-    }
-    size_t bytes = 8 * (size_t)n + kvs_proto_put_boundary(p + 8 * (size_t)n, s->y, (size_t)n * s->n_embd,
-                                                          s->p.boundary_f32);
-    struct kvs_frame_header h = { .kind = KVS_FRAME_DECODE, .flags = s->p.boundary_f32 ? KVS_FRAME_FLAG_F32 : 0,
-                                  .n_tokens = (uint32_t)n, .payload_len = (uint32_t)bytes };
-    send_built(s, &h);
+    decode_rows_done(s, n, s->solo);
 }
 
 /* --- timers ----------------------------------------------------------------------- */
