@@ -114,30 +114,16 @@ static void bpe_word(const struct kvs_tokenizer *t, const char *p, size_t n, str
         }
     }
     struct kvs_tok_sym *sym = sc->sym;
-    int32_t ns = 0;
-    for (size_t off = 0; off < wn;) {
-        size_t l = kvs_tok_utf8_len((uint8_t)w[off]);
-        if (l > wn - off)
-            l = wn - off;
-        sym[ns] = (struct kvs_tok_sym){ ns - 1, off + l == wn ? -1 : ns + 1, (uint32_t)off, (uint32_t)l };
-        ns++;
-        off += l;
-    }
+    int32_t ns = kvs_tok_sym_split(sym, w, wn);
     size_t nh = 0;
     for (int32_t i = 1; i < ns; i++)
         try_pair(t, w, sym, i - 1, i, sc->heap, &nh);
     while (nh) {
         struct kvs_tok_cand c = kvs_tok_heap_pop(sc->heap, &nh);
-        struct kvs_tok_sym *L = &sym[c.left], *R = &sym[c.right];
-        if (L->n == 0 || R->n == 0 || L->n + R->n != c.size)
+        if (!kvs_tok_sym_join(sym, c))
             continue; /* stale */
-        L->n += R->n;
-        R->n = 0;
-        L->next = R->next;
-        if (R->next >= 0)
-            sym[R->next].prev = c.left;
-        try_pair(t, w, sym, L->prev, c.left, sc->heap, &nh);
-        try_pair(t, w, sym, c.left, L->next, sc->heap, &nh);
+        try_pair(t, w, sym, sym[c.left].prev, c.left, sc->heap, &nh);
+        try_pair(t, w, sym, c.left, sym[c.left].next, sc->heap, &nh);
     }
     for (int32_t i = ns ? 0 : -1; i >= 0; i = sym[i].next)
         emit(t, w + sym[i].start, sym[i].n, sink);

@@ -213,6 +213,39 @@ static inline size_t kvs_tok_utf8_len(uint8_t c)
     return lens[c >> 4];
 }
 
+/* Splits s[0..n) into initial symbols, one per UTF-8 character by lead-byte
+ * length (clipped at n), linked in order; sym needs room for n entries.
+ * Returns the number of symbols. */
+static inline int32_t kvs_tok_sym_split(struct kvs_tok_sym *sym, const char *s, size_t n)
+{
+    int32_t ns = 0;
+    for (size_t off = 0; off < n;) {
+        size_t l = kvs_tok_utf8_len((uint8_t)s[off]);
+        if (l > n - off)
+            l = n - off;
+        sym[ns] = (struct kvs_tok_sym){ ns - 1, off + l == n ? -1 : ns + 1, (uint32_t)off, (uint32_t)l };
+        ns++;
+        off += l;
+    }
+    return ns;
+}
+
+/* Applies the popped candidate c: merges its right symbol into its left one
+ * and relinks. Returns false, changing nothing, when c is stale (either side
+ * already merged away or grown since c was pushed). */
+static inline bool kvs_tok_sym_join(struct kvs_tok_sym *sym, struct kvs_tok_cand c)
+{
+    struct kvs_tok_sym *L = &sym[c.left], *R = &sym[c.right];
+    if (L->n == 0 || R->n == 0 || L->n + R->n != c.size)
+        return false;
+    L->n += R->n;
+    R->n = 0;
+    L->next = R->next;
+    if (R->next >= 0)
+        sym[R->next].prev = c.left;
+    return true;
+}
+
 /* Length of the valid (RFC 3629: no overlongs, no surrogates, <= U+10FFFF)
  * UTF-8 sequence at s[0..n): > 0 valid; 0 an incomplete but so far valid
  * prefix (only when it runs to the end of s); -1 invalid lead or

@@ -70,31 +70,17 @@ kvs_err kvs_tok_spm_fragment(const struct kvs_tokenizer *t, const char *text, si
     }
 
     /* Initial symbols: UTF-8 characters by lead-byte length, clipped. */
-    int32_t ns = 0;
-    for (size_t off = 0; off < n;) {
-        size_t l = kvs_tok_utf8_len((uint8_t)s[off]);
-        if (l > n - off)
-            l = n - off;
-        sym[ns] = (struct kvs_tok_sym){ ns - 1, off + l == n ? -1 : ns + 1, (uint32_t)off, (uint32_t)l };
-        ns++;
-        off += l;
-    }
+    int32_t ns = kvs_tok_sym_split(sym, s, n);
 
     size_t nh = 0;
     for (int32_t i = 1; i < ns; i++)
         try_pair(t, s, sym, i - 1, i, heap, &nh);
     while (nh) {
         struct kvs_tok_cand c = kvs_tok_heap_pop(heap, &nh);
-        struct kvs_tok_sym *L = &sym[c.left], *R = &sym[c.right];
-        if (L->n == 0 || R->n == 0 || L->n + R->n != c.size)
+        if (!kvs_tok_sym_join(sym, c))
             continue; /* stale */
-        L->n += R->n;
-        R->n = 0;
-        L->next = R->next;
-        if (R->next >= 0)
-            sym[R->next].prev = c.left;
-        try_pair(t, s, sym, L->prev, c.left, heap, &nh);
-        try_pair(t, s, sym, c.left, L->next, heap, &nh);
+        try_pair(t, s, sym, sym[c.left].prev, c.left, heap, &nh);
+        try_pair(t, s, sym, c.left, sym[c.left].next, heap, &nh);
     }
     for (int32_t i = ns ? 0 : -1; i >= 0; i = sym[i].next)
         emit(t, s + sym[i].start, sym[i].n, sink);
