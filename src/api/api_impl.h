@@ -10,13 +10,19 @@
 
 #include "stage/stage.h"
 
-/* Growable byte buffer with a hard cap (appends past it fail). */
+/* Growable byte buffer with a hard cap (appends past it fail). Start from
+ * { .limit = L } (all else zero); p is NUL-terminated once anything was added;
+ * the buffer owns p: release it with kvs_api_buf_free. */
 struct kvs_api_buf {
     char *p;
-    size_t len, cap, limit;
+    size_t len, cap, limit; /* len, limit: bytes of text, not counting the NUL */
 };
+/* Appends n bytes of s. Returns false, leaving b unchanged, when len + n
+ * would pass limit or memory runs out. */
 bool kvs_api_buf_add(struct kvs_api_buf *b, const char *s, size_t n);
+/* Appends the formatted text, of any length; false as kvs_api_buf_add. */
 bool kvs_api_buf_printf(struct kvs_api_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Frees p and empties b (limit kept: b can be reused). */
 void kvs_api_buf_free(struct kvs_api_buf *b);
 
 #define KVS_API_HIST_MAX 16
@@ -47,8 +53,11 @@ struct kvs_api_metrics {
     struct kvs_api_hist token_roundtrip;
 };
 
+/* Zeroes m and sets its histograms' bucket bounds; pair with
+ * kvs_api_metrics_destroy. Callers hold m->mu while updating fields. */
 void kvs_api_metrics_init(struct kvs_api_metrics *m);
 void kvs_api_metrics_destroy(struct kvs_api_metrics *m);
+/* Counts one observation v (seconds) in h; not locked (hold the owner's mutex). */
 void kvs_api_hist_add(struct kvs_api_hist *h, double v);
 /* Appends the Prometheus text exposition (format 0.0.4) of m and of the
  * stage counters st to b. stage_index labels the per-stage series. */

@@ -29,12 +29,21 @@ bool kvs_api_buf_add(struct kvs_api_buf *b, const char *s, size_t n)
 bool kvs_api_buf_printf(struct kvs_api_buf *b, const char *fmt, ...)
 {
     char tmp[512];
-    va_list ap;
+    va_list ap, aq;
     va_start(ap, fmt);
+    va_copy(aq, ap);
     int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
     va_end(ap);
-    if (n < 0 || (size_t)n >= sizeof tmp) return false;
-    return kvs_api_buf_add(b, tmp, (size_t)n);
+    bool ok = false;
+    if (n >= 0 && (size_t)n < sizeof tmp) {
+        ok = kvs_api_buf_add(b, tmp, (size_t)n);
+    } else if (n >= 0 && (size_t)n <= b->limit - b->len) { /* longer than tmp: format once more, on the heap */
+        char *big = malloc((size_t)n + 1);
+        ok = big && vsnprintf(big, (size_t)n + 1, fmt, aq) == n && kvs_api_buf_add(b, big, (size_t)n);
+        free(big);
+    }
+    va_end(aq);
+    return ok;
 }
 
 void kvs_api_buf_free(struct kvs_api_buf *b)

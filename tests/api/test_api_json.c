@@ -384,6 +384,26 @@ static void test_buf_limit(void **state)
     kvs_api_buf_free(&b);
 }
 
+/* kvs_api_buf_printf once failed on any text of 512 bytes or more (a fixed
+ * stack buffer): /metrics would break as soon as a block of series grew. */
+static void test_buf_printf_long(void **state)
+{
+    (void)state;
+    char word[700];
+    memset(word, 'a', sizeof word - 1);
+    word[sizeof word - 1] = 0;
+    struct kvs_api_buf b = { .limit = 2000 };
+    assert_true(kvs_api_buf_printf(&b, "<%s>", word));
+    assert_int_equal(b.len, 701);
+    assert_int_equal(b.p[0], '<');
+    assert_int_equal(b.p[700], '>');
+    assert_int_equal(b.p[701], 0);
+    assert_true(kvs_api_buf_printf(&b, "%s", word));
+    assert_false(kvs_api_buf_printf(&b, "%s", word)); /* would pass the limit */
+    assert_int_equal(b.len, 701 + 699);
+    kvs_api_buf_free(&b);
+}
+
 
 /* Ring-wide series from a probe trail: two stages, values chosen by hand. */
 static void test_metrics_render_ring(void **state)
@@ -424,7 +444,7 @@ int main(void)
         cmocka_unit_test(test_chat_fields),    cmocka_unit_test(test_error_json),
         cmocka_unit_test(test_response_json),  cmocka_unit_test(test_chunk_json),
         cmocka_unit_test(test_stop_scan),      cmocka_unit_test(test_metrics_render),
-        cmocka_unit_test(test_buf_limit),   cmocka_unit_test(test_metrics_render_ring),
+        cmocka_unit_test(test_buf_limit),   cmocka_unit_test(test_buf_printf_long),   cmocka_unit_test(test_metrics_render_ring),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
