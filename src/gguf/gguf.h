@@ -145,6 +145,8 @@ kvs_err kvs_gguf_parse(const void *buf, size_t len, uint64_t file_size, struct k
 /* Frees g (NULL is allowed) and unmaps the file. */
 void kvs_gguf_close(struct kvs_gguf *g);
 
+/* GGUF version of the file (2 or 3) and its data alignment in bytes
+ * (general.alignment, default 32). */
 uint32_t kvs_gguf_version(const struct kvs_gguf *g);
 uint32_t kvs_gguf_alignment(const struct kvs_gguf *g);
 /* Absolute file offset of the data section (a multiple of the alignment). */

@@ -172,6 +172,7 @@ void kvs_proto_get_trail_rec(const struct kvs_frame *f, uint32_t i, struct kvs_t
 
 /* --- decoding payloads (of a frame the decoder accepted) ------------------- */
 
+/* Each getter reads a frame of its kind that the decoder accepted. */
 void kvs_proto_get_hello(const struct kvs_frame *f, struct kvs_hello *m);
 /* Fills p; *prompt points at n_tokens little-endian i32 prompt ids inside the
  * payload (possibly unaligned: read them with kvs_proto_get_i32). */
@@ -184,6 +185,7 @@ void kvs_proto_get_decode_row(const struct kvs_frame *f, uint32_t i, uint32_t *r
 /* Start of the boundary values of a PREFILL/DECODE frame. */
 const uint8_t *kvs_proto_boundary(const struct kvs_frame *f);
 
+/* Little-endian 4-byte fields at p (any alignment). */
 uint32_t kvs_proto_get_u32(const uint8_t *p);
 int32_t kvs_proto_get_i32(const uint8_t *p);
 void kvs_proto_put_u32(uint8_t *p, uint32_t v);

@@ -126,6 +126,9 @@ kvs_err kvs_shard_index_save(const struct kvs_shard_index *ix, const char *path,
 #define KVS_SHARD_INDEX_MAX_TENSORS 1000000u
 kvs_err kvs_shard_index_parse(const char *text, size_t len, struct kvs_shard_index *ix, char *errbuf,
                               size_t errlen);
+/* Reads the file at path (at most KVS_SHARD_INDEX_MAX_TENSORS * 512 bytes,
+ * else KVS_ERR_RANGE) and parses it as kvs_shard_index_parse does. Free ix
+ * with kvs_shard_index_free. Errors: those of the parser, KVS_ERR_IO. */
 kvs_err kvs_shard_index_load(const char *path, struct kvs_shard_index *ix, char *errbuf, size_t errlen);
 /* Entry named name, or NULL. */
 const struct kvs_shard_index_entry *kvs_shard_index_find(const struct kvs_shard_index *ix, const char *name);
