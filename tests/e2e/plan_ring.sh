@@ -29,7 +29,7 @@ trap cleanup EXIT
 
 # Four free TCP ports on 127.0.0.1 (a port is taken if a connect succeeds).
 ports=()
-p=$((20000 + ($$ % 20000)))
+p=$((20000 + ($$ % 12000))) # below the ephemeral range (32768-60999)
 while [ "${#ports[@]}" -lt 4 ]; do
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then ports+=("$p"); fi
     p=$((p + 1))

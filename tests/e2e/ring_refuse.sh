@@ -26,9 +26,10 @@ cleanup() {
 }
 trap cleanup EXIT
 fail() { echo "FAIL: $*"; for f in "$tmp"/*.log; do echo "== $f"; tail -20 "$f"; done; exit 1; }
-# free ports (a port is taken if a connect succeeds)
+# free ports (a port is taken if a connect succeeds), below Linux's ephemeral
+# range (32768-60999), where an outgoing connection could take one after the check
 P=()
-p=$((30000 + ($$ % 300) * 100))
+p=$((20000 + ($$ % 120) * 100))
 while [[ ${#P[@]} -lt 8 ]]; do
   (exec 9<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null || P+=("$p")
   p=$((p + 1))
