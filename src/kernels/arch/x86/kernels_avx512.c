@@ -389,6 +389,12 @@ static void kvs_avx512_gemm_q4_0(int64_t n, const void *w, size_t w_stride, int6
 #ifndef KVS_GEMMP_PREFETCH
 #define KVS_GEMMP_PREFETCH 2048 /* bytes ahead in the group's stream; 0: none */
 #endif
+#ifndef KVS_GEMMP_PREFETCH_L2
+#define KVS_GEMMP_PREFETCH_L2 8192 /* bytes ahead into L2; 0: none */
+#endif
+#ifndef KVS_GEMMP_PREFETCH_L2_STEP
+#define KVS_GEMMP_PREFETCH_L2_STEP 1 /* lines per L2 prefetch */
+#endif
 
 static inline __attribute__((always_inline)) void kvs_avx512_gemmp_tile(int T, int64_t nq, const char *g,
                                                                         const char *a, size_t a_stride,
@@ -410,6 +416,14 @@ static inline __attribute__((always_inline)) void kvs_avx512_gemmp_tile(int T, i
 #pragma GCC unroll 9
             for (int i = 0; i < 9; i++)
                 _mm_prefetch(pf + 64 * i, _MM_HINT_T0);
+        }
+#endif
+#if KVS_GEMMP_PREFETCH_L2 > 0
+        {
+            const char *pf = pair + (size_t)(q & 1) * (KVS_PACKW_PAIR_BYTES / 2) + KVS_GEMMP_PREFETCH_L2;
+#pragma GCC unroll 9
+            for (int i = 0; i < 9; i += KVS_GEMMP_PREFETCH_L2_STEP)
+                _mm_prefetch(pf + 64 * i, _MM_HINT_T1);
         }
 #endif
         const __m512 sc = _mm512_cvtph_ps(
