@@ -9,9 +9,6 @@
 #include "gguf/gguf.h"
 #include "shard/shard.h"
 
-/* Implemented in cli_synth.c when that is built. */
-#pragma weak kvs_cli_gguf_synth
-
 static void usage(FILE *f)
 {
     fprintf(f, "usage: kvasir gguf info FILE       summarize a GGUF file\n"
@@ -325,13 +322,8 @@ int kvs_cli_gguf(int argc, char **argv)
     }
     if (!strcmp(sub, "info"))
         return cmd_info(argc - 1, argv + 1);
-    if (!strcmp(sub, "synth")) {
-        if (!kvs_cli_gguf_synth) {
-            fprintf(stderr, "kvasir gguf: 'synth' is not built in this binary\n");
-            return 2;
-        }
+    if (!strcmp(sub, "synth"))
         return kvs_cli_gguf_synth(argc - 1, argv + 1);
-    }
     fprintf(stderr, "kvasir gguf: unknown subcommand '%s'\n", sub);
     usage(stderr);
     return 2;
