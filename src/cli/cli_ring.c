@@ -334,12 +334,42 @@ static void ring_usage(FILE *f)
                "                       bit-identical to a single process (docs/PROTOCOL.md section 5)\n");
 }
 
+bool kvs_ring_client_opt(const char *a, const char *v, struct kvs_ring_client_opts *co, int *bad)
+{
+    long lv = 0;
+    *bad = 0;
+    if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) co->prompt = v;
+    else if (!strcmp(a, "--prompts")) co->prompts_path = v;
+    else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
+        *bad = kvs_cli_parse_long(v, 1, 1 << 24, &lv);
+        co->n_predict = (int32_t)lv;
+    } else if (!strcmp(a, "--temp")) *bad = kvs_cli_parse_float(v, &co->sp.temp);
+    else if (!strcmp(a, "--top-k")) {
+        *bad = kvs_cli_parse_long(v, -1, 1 << 30, &lv);
+        co->sp.top_k = (int32_t)lv;
+    } else if (!strcmp(a, "--top-p")) *bad = kvs_cli_parse_float(v, &co->sp.top_p);
+    else if (!strcmp(a, "--min-p")) *bad = kvs_cli_parse_float(v, &co->sp.min_p);
+    else if (!strcmp(a, "--repeat-penalty")) *bad = kvs_cli_parse_float(v, &co->sp.repeat_penalty);
+    else if (!strcmp(a, "--seed")) {
+        char *end;
+        errno = 0;
+        unsigned long long s = strtoull(v, &end, 10);
+        *bad = errno || end == v || *end || v[0] == '-';
+        co->sp.seed = (uint64_t)s;
+    } else if (!strcmp(a, "--parallel")) {
+        *bad = kvs_cli_parse_long(v, 1, 1024, &lv);
+        co->parallel = (int32_t)lv;
+    } else
+        return false;
+    return true;
+}
+
 int kvs_cli_run_ring(int argc, char **argv)
 {
     struct kvs_ring_client_opts co = { .parallel = 1, .n_predict = 128, .ready_timeout_ms = 30000 };
     co.sp = kvs_sampler_default_params();
     const char *model = NULL;
-    long ring = 0, threads = 2, n_ctx = 0, seqs = 0, lv = 0;
+    long ring = 0, threads = 2, n_ctx = 0, seqs = 0;
     bool f32 = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -358,31 +388,11 @@ int kvs_cli_run_ring(int argc, char **argv)
         }
         int bad = 0;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
-        else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) co.prompt = v;
-        else if (!strcmp(a, "--prompts")) co.prompts_path = v;
-        else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
-            bad = kvs_cli_parse_long(v, 1, 1 << 24, &lv);
-            co.n_predict = (int32_t)lv;
-        } else if (!strcmp(a, "--temp")) bad = kvs_cli_parse_float(v, &co.sp.temp);
-        else if (!strcmp(a, "--top-k")) {
-            bad = kvs_cli_parse_long(v, -1, 1 << 30, &lv);
-            co.sp.top_k = (int32_t)lv;
-        } else if (!strcmp(a, "--top-p")) bad = kvs_cli_parse_float(v, &co.sp.top_p);
-        else if (!strcmp(a, "--min-p")) bad = kvs_cli_parse_float(v, &co.sp.min_p);
-        else if (!strcmp(a, "--repeat-penalty")) bad = kvs_cli_parse_float(v, &co.sp.repeat_penalty);
-        else if (!strcmp(a, "--seed")) {
-            char *end;
-            errno = 0;
-            unsigned long long s = strtoull(v, &end, 10);
-            bad = errno || end == v || *end || v[0] == '-';
-            co.sp.seed = (uint64_t)s;
+        else if (kvs_ring_client_opt(a, v, &co, &bad)) {
         } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) bad = kvs_cli_parse_long(v, 1, 512, &threads);
         else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) bad = kvs_cli_parse_long(v, 1, 1 << 24, &n_ctx);
         else if (!strcmp(a, "--ring")) bad = kvs_cli_parse_long(v, 2, 1024, &ring);
-        else if (!strcmp(a, "--parallel")) {
-            bad = kvs_cli_parse_long(v, 1, 1024, &lv);
-            co.parallel = (int32_t)lv;
-        } else if (!strcmp(a, "--seqs")) bad = kvs_cli_parse_long(v, 1, 1024, &seqs);
+        else if (!strcmp(a, "--seqs")) bad = kvs_cli_parse_long(v, 1, 1024, &seqs);
         else if (!strcmp(a, "--boundary")) {
             bad = strcmp(v, "f16") && strcmp(v, "f32");
             f32 = !strcmp(v, "f32");

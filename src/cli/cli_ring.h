@@ -19,6 +19,12 @@ struct kvs_ring_client_opts {
     int ready_timeout_ms;     /* wait this long for the ring to close */
 };
 
+/* Parses one client option of a head (-p, --prompts, -n, --temp, --top-k,
+ * --top-p, --min-p, --repeat-penalty, --seed, --parallel) with value v into co.
+ * Returns false if `a` is not one of them; otherwise true, with *bad nonzero
+ * when v is not a valid value. Shared by `kvasir run --ring` and `kvasir stage`. */
+bool kvs_ring_client_opt(const char *a, const char *v, struct kvs_ring_client_opts *co, int *bad);
+
 /* Runs the head's loop on a thread, waits for the ring, serves the prompts
  * through the request API, stops the loop. Returns a process exit code. */
 int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o);

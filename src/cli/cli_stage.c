@@ -139,27 +139,7 @@ int kvs_cli_stage(int argc, char **argv)
             bad = kvs_cli_parse_long(v, 0, 60000, &lv);
             p.step_delay_ms = (int32_t)lv;
         } else if (!strcmp(a, "--api")) bad = kvs_cli_parse_long(v, 1, 65535, &api);
-        else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) co.prompt = v;
-        else if (!strcmp(a, "--prompts")) co.prompts_path = v;
-        else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
-            bad = kvs_cli_parse_long(v, 1, 1 << 24, &lv);
-            co.n_predict = (int32_t)lv;
-        } else if (!strcmp(a, "--temp")) bad = kvs_cli_parse_float(v, &co.sp.temp);
-        else if (!strcmp(a, "--top-k")) {
-            bad = kvs_cli_parse_long(v, -1, 1 << 30, &lv);
-            co.sp.top_k = (int32_t)lv;
-        } else if (!strcmp(a, "--top-p")) bad = kvs_cli_parse_float(v, &co.sp.top_p);
-        else if (!strcmp(a, "--min-p")) bad = kvs_cli_parse_float(v, &co.sp.min_p);
-        else if (!strcmp(a, "--repeat-penalty")) bad = kvs_cli_parse_float(v, &co.sp.repeat_penalty);
-        else if (!strcmp(a, "--seed")) {
-            char *end;
-            errno = 0;
-            unsigned long long s = strtoull(v, &end, 10);
-            bad = errno || end == v || *end || v[0] == '-';
-            co.sp.seed = (uint64_t)s;
-        } else if (!strcmp(a, "--parallel")) {
-            bad = kvs_cli_parse_long(v, 1, 1024, &lv);
-            co.parallel = (int32_t)lv;
+        else if (kvs_ring_client_opt(a, v, &co, &bad)) {
         } else {
             fprintf(stderr, "kvasir stage: unknown option: %s\n", a);
             stage_usage(stderr);

@@ -194,6 +194,20 @@ static void set_dev(struct kvs_plan_device *d, const char *name, enum kvs_plan_b
 
 enum { GPU24, GPU16, CPU64, NPU8, PHONE_A, PHONE_B, N_DEV };
 
+/* The issue's mixed inventory: a 24 GB and a 16 GB GPU, a CPU box of cpu_gb GB,
+ * an 8 GB NPU and two 12 GB phones that only dial out (40 ms relay). */
+static void mixed_inventory(struct kvs_plan_inventory *inv, const char *cpu_name, double cpu_gb)
+{
+    inv->n_devices = N_DEV;
+    inv->relay_rtt_ms = 40;
+    set_dev(&inv->devices[GPU24], "gpu-24g", KVS_PLAN_BACKEND_CUDA, 24, 900, 0.2, 10000, true);
+    set_dev(&inv->devices[GPU16], "gpu-16g", KVS_PLAN_BACKEND_VULKAN, 16, 450, 0.2, 10000, true);
+    set_dev(&inv->devices[CPU64], cpu_name, KVS_PLAN_BACKEND_CPU, cpu_gb, 60, 0.2, 10000, true);
+    set_dev(&inv->devices[NPU8], "npu-8g", KVS_PLAN_BACKEND_NPU, 8, 30, 1.0, 1000, true);
+    set_dev(&inv->devices[PHONE_A], "phone-a", KVS_PLAN_BACKEND_OPENCL, 12, 25, 30, 100, false);
+    set_dev(&inv->devices[PHONE_B], "phone-b", KVS_PLAN_BACKEND_OPENCL, 12, 25, 30, 100, false);
+}
+
 /* Checks a plan for ctx 32768 x 2 seqs: windows contiguous, non-empty and
  * covering every block, one per device; each rank's weights, KV and buffers
  * recomputed by hand and within its device's memory; the predicted token time
@@ -267,14 +281,7 @@ static void test_mixed_inventory(void **state)
     struct kvs_plan_result *res = calloc(1, sizeof *res);
     assert_non_null(inv);
     assert_non_null(res);
-    inv->n_devices = N_DEV;
-    inv->relay_rtt_ms = 40;
-    set_dev(&inv->devices[GPU24], "gpu-24g", KVS_PLAN_BACKEND_CUDA, 24, 900, 0.2, 10000, true);
-    set_dev(&inv->devices[GPU16], "gpu-16g", KVS_PLAN_BACKEND_VULKAN, 16, 450, 0.2, 10000, true);
-    set_dev(&inv->devices[CPU64], "cpu-64g", KVS_PLAN_BACKEND_CPU, 64, 60, 0.2, 10000, true);
-    set_dev(&inv->devices[NPU8], "npu-8g", KVS_PLAN_BACKEND_NPU, 8, 30, 1.0, 1000, true);
-    set_dev(&inv->devices[PHONE_A], "phone-a", KVS_PLAN_BACKEND_OPENCL, 12, 25, 30, 100, false);
-    set_dev(&inv->devices[PHONE_B], "phone-b", KVS_PLAN_BACKEND_OPENCL, 12, 25, 30, 100, false);
+    mixed_inventory(inv, "cpu-64g", 64);
     struct kvs_plan_targets t = kvs_plan_default_targets();
     t.ctx = 32768;
     t.seqs = 2;
@@ -354,14 +361,7 @@ static void test_tight_inventory(void **state)
     struct kvs_plan_result *res = calloc(1, sizeof *res);
     assert_non_null(inv);
     assert_non_null(res);
-    inv->n_devices = N_DEV;
-    inv->relay_rtt_ms = 40;
-    set_dev(&inv->devices[GPU24], "gpu-24g", KVS_PLAN_BACKEND_CUDA, 24, 900, 0.2, 10000, true);
-    set_dev(&inv->devices[GPU16], "gpu-16g", KVS_PLAN_BACKEND_VULKAN, 16, 450, 0.2, 10000, true);
-    set_dev(&inv->devices[CPU64], "cpu-30g", KVS_PLAN_BACKEND_CPU, 30, 60, 0.2, 10000, true);
-    set_dev(&inv->devices[NPU8], "npu-8g", KVS_PLAN_BACKEND_NPU, 8, 30, 1.0, 1000, true);
-    set_dev(&inv->devices[PHONE_A], "phone-a", KVS_PLAN_BACKEND_OPENCL, 12, 25, 30, 100, false);
-    set_dev(&inv->devices[PHONE_B], "phone-b", KVS_PLAN_BACKEND_OPENCL, 12, 25, 30, 100, false);
+    mixed_inventory(inv, "cpu-30g", 30);
     struct kvs_plan_targets t = kvs_plan_default_targets();
     t.ctx = 32768;
     t.seqs = 2;
