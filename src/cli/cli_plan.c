@@ -24,7 +24,7 @@ static void plan_usage(FILE *f)
                "  --seqs S             concurrent sequences (default 1)\n"
                "  --boundary f16|f32   boundary precision between stages (default f16)\n"
                "  --block-overhead-ms X  fixed cost per block per token (default 0.02)\n"
-               "  -o, --out PATH       manifest to write (default: print it to stdout)\n"
+               "  -o, --out PATH       manifest to write (default: print it to stdout, the table to stderr)\n"
                "\n"
                "A device entry of the inventory: run `kvasir bench --probe --name NAME` on the device; it\n"
                "prints one JSON object (measured decode_gbps, mem_bytes). Collect them in an array:\n"
@@ -156,15 +156,18 @@ int kvs_cli_plan(int argc, char **argv)
         goto done;
     }
 
-    printf("model: %s  blocks %u  ctx %u  seqs %u  boundary %s\n", model ? model : url, m->n_block, t.ctx, t.seqs,
+    /* The table is for people: on stdout beside a written manifest, on
+     * stderr when the manifest itself goes to stdout (so it stays valid JSON). */
+    FILE *tf = outp ? stdout : stderr;
+    fprintf(tf, "model: %s  blocks %u  ctx %u  seqs %u  boundary %s\n", model ? model : url, m->n_block, t.ctx, t.seqs,
            t.boundary_bytes == 4 ? "f32" : "f16");
-    printf("%-4s %-20s %-9s %6s %10s %9s %10s %8s\n", "rank", "device", "window", "blocks", "weights GB", "KV GB",
+    fprintf(tf, "%-4s %-20s %-9s %6s %10s %9s %10s %8s\n", "rank", "device", "window", "blocks", "weights GB", "KV GB",
            "ms/token", "hop ms");
     for (size_t r = 0; r < res->n_ranks; r++) {
         const struct kvs_plan_rank *rk = &res->ranks[r];
         char win[32];
         snprintf(win, sizeof win, "[%u,%u)", rk->begin, rk->end);
-        printf("%-4zu %-20s %-9s %6u %10.3f %9.3f %10.3f %8.3f\n", r, inv->devices[rk->device].name, win,
+        fprintf(tf, "%-4zu %-20s %-9s %6u %10.3f %9.3f %10.3f %8.3f\n", r, inv->devices[rk->device].name, win,
                rk->end - rk->begin, (double)rk->weights_bytes / 1e9, (double)rk->kv_bytes / 1e9, rk->compute_ms,
                rk->hop_ms);
     }
@@ -173,12 +176,12 @@ int kvs_cli_plan(int argc, char **argv)
         for (size_t r = 0; r < res->n_ranks; r++)
             used |= res->ranks[r].device == i;
         if (!used)
-            printf("excluded: %s\n", inv->devices[i].name);
+            fprintf(tf, "excluded: %s\n", inv->devices[i].name);
     }
-    printf("predicted: %.3f ms/token, %.2f tokens/s (1 sequence)", res->token_ms, res->decode_tps_1);
+    fprintf(tf, "predicted: %.3f ms/token, %.2f tokens/s (1 sequence)", res->token_ms, res->decode_tps_1);
     if (res->seqs > 1) /* with one sequence the pipelined figure is the same line again */
-        printf(", %.2f tokens/s (%u sequences)", res->decode_tps_seqs, res->seqs);
-    printf("%s\n", res->exhaustive ? "" : " [heuristic order]");
+        fprintf(tf, ", %.2f tokens/s (%u sequences)", res->decode_tps_seqs, res->seqs);
+    fprintf(tf, "%s\n", res->exhaustive ? "" : " [heuristic order]");
     if (outp) {
         FILE *f = fopen(outp, "w");
         if (!f || fputs(json, f) == EOF || fputc('\n', f) == EOF) {

@@ -64,6 +64,11 @@ help=$("$KVASIR_BIN" plan --help)
 for w in 'kvasir bench --probe' 'docs/PLAN.md' "min(model's, 4096)"; do
     case "$help" in *"$w"*) ;; *) echo "plan --help does not mention $w"; exit 1 ;; esac
 done
+# Without -o the manifest alone is on stdout (the table on stderr): a redirect
+# gives a file the stages accept, identical to the -o file.
+"$KVASIR_BIN" plan -m "$model" --devices "$dir/devices.json" >"$dir/stdout.json" 2>"$dir/stdout.err"
+cmp -s "$dir/stdout.json" "$dir/ring.json" || { echo "plan's stdout is not the manifest:"; head -3 "$dir/stdout.json"; exit 1; }
+grep -q '^predicted: ' "$dir/stdout.err" || { echo "no table on stderr without -o"; exit 1; }
 m=$(tr -d ' \n' <"$dir/ring.json")
 case "$m" in '{"kvasir_manifest":1,'*) ;; *) echo "manifest does not start with the version"; exit 1 ;; esac
 for w in '"window":[0,1]' '"window":[1,2]' '"window":[2,3]' '"window":[3,4]' '"n_block":4' \
