@@ -290,6 +290,7 @@ int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o
         return 1;
     }
     int rc;
+    int64_t t_serve = -1; /* ms from the ring closing to the last request's end */
     kvs_err we = kvs_stage_wait_ready(head, o->ready_timeout_ms);
     if (we == KVS_ERR_CANCELLED) {
         fprintf(stderr, "kvasir: stopped before the ring closed\n");
@@ -303,15 +304,21 @@ int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o
         fprintf(stderr, "kvasir: the ring cannot close: %s (%s)\n", why, kvs_strerror(we));
         rc = 1;
     } else {
+        t_serve = kvs_link_now_ms();
         rc = o->prompts_path ? client_many(head, o, &c) : client_one(head, o, &c);
+        t_serve = kvs_link_now_ms() - t_serve;
     }
     kvs_stage_stop(head);
     pthread_join(th, NULL);
     struct kvs_stage_metrics m;
     kvs_stage_metrics(head, &m);
-    fprintf(stderr, "ring: %llu requests done, %llu failed, %llu tokens, %llu forward calls (%.1f ms)\n",
-            (unsigned long long)m.requests_done, (unsigned long long)m.requests_failed,
-            (unsigned long long)m.tokens_generated, (unsigned long long)m.forward_calls, m.forward_ms);
+    fprintf(stderr, "ring: %llu requests done, %llu failed, %llu tokens", (unsigned long long)m.requests_done,
+            (unsigned long long)m.requests_failed, (unsigned long long)m.tokens_generated);
+    if (t_serve > 0)
+        fprintf(stderr, " in %.3f s (%.1f tokens/s, prompts included)", (double)t_serve / 1e3,
+                (double)m.tokens_generated * 1e3 / (double)t_serve);
+    fprintf(stderr, "; the head's own blocks: %llu forward calls in %.1f ms\n", (unsigned long long)m.forward_calls,
+            m.forward_ms);
     pthread_mutex_destroy(&c.mu);
     pthread_cond_destroy(&c.cv);
     return rc;

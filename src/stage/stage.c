@@ -23,6 +23,7 @@
 
 #define MAX_PENDING_LINKS 4  /* accepted connections waiting for their HELLO */
 #define HANDSHAKE_MS 3000    /* a HELLO must arrive within this */
+#define PROBE_UNREADY_MS 20  /* head: probe interval until a probe has come round (then keepalive_ms) */
 #define MAX_QUEUE 1024       /* submitted requests waiting */
 #define MAX_CANCELS 1024
 #define READ_CHUNK 65536
@@ -1393,7 +1394,11 @@ static void timers(struct kvs_stage *s)
     if (s->out_state == OUT_DOWN && now >= s->out_next_dial && !s->solo) dial_next(s);
     if (s->out_state == OUT_HANDSHAKE && now - s->out_since > HANDSHAKE_MS) out_lost(s, "no HELLO reply");
     if (s->out_state == OUT_UP) {
-        if (s->is_head && now - s->probe_sent >= s->p.keepalive_ms) {
+        /* Until the ring is known closed, a probe sent while a later link was
+         * still down is lost: probe again soon instead of after keepalive_ms
+         * (that wait was up to a second before the first request could go). */
+        const int64_t every = s->met.ring_ready ? s->p.keepalive_ms : PROBE_UNREADY_MS;
+        if (s->is_head && now - s->probe_sent >= every) {
             s->probe_no++;
             s->probe_sent = now;
             send_probe(s, s->probe_no, 0, 0);
@@ -1466,7 +1471,7 @@ kvs_err kvs_stage_run(struct kvs_stage *s)
         bool busy = s->admit_more;
         if (s->solo) /* one-stage ring: sampled tokens wait to be fed, no frame will wake the loop */
             for (int32_t i = 0; i < s->n_seq && !busy; i++) busy = s->seqs[i].used && s->seqs[i].has_next;
-        int r = poll(pf, (nfds_t)np, busy ? 0 : 100);
+        int r = poll(pf, (nfds_t)np, busy ? 0 : s->is_head && !s->met.ring_ready ? PROBE_UNREADY_MS : 100);
         s->admit_more = false;
         if (r < 0 && errno != EINTR) return KVS_ERR_IO;
         if (r > 0) {
