@@ -16,6 +16,7 @@
 #include <cmocka.h>
 
 #include "kernels/kernels.h"
+#include "kernels/kernels_impl.h" /* white box: the ISA tables (test_simd_coverage) */
 
 /* Float combination order differs between ISAs (SIMD lanes, FMA); relative to
  * sum |w_i * a_i| the difference stays far below this. */
@@ -238,6 +239,81 @@ static void test_simd_quant_ties(void **state)
             kvs_quantize_act(k, acts[ai], x, q2, 512);
             assert_memory_equal(q1, q2, nb);
         }
+    }
+}
+
+/* F16 / BF16 conversion of activations on the bit patterns where rounding
+ * rules differ: exact ties with an even and an odd kept bit, just past a
+ * tie, NaNs (signaling and quiet, both signs), infinities, -0, subnormals
+ * of F32 and of F16, the largest finite values and the overflow to
+ * infinity. Each pattern sits in every lane position of a vector and of the
+ * scalar tail (n = 48 + 5); SIMD must give the reference's bytes. */
+static void test_simd_f16_bf16_special(void **state)
+{
+    (void)state;
+    static const uint32_t pat[] = {
+        0x3F808000u, 0x3F818000u, 0x3F808001u, 0x3F817FFFu, 0xBF808000u, 0xBF818000u, /* BF16 ties */
+        0x3F801000u, 0x3F803000u, 0x3F801001u, 0xBF803000u,                           /* F16 ties (13 bits) */
+        0x7F800001u, 0x7FC00000u, 0xFF800001u, 0xFFC00001u, 0x7FFFFFFFu,               /* NaNs */
+        0x7F800000u, 0xFF800000u, 0x80000000u, 0x00000000u,                           /* inf, -0, 0 */
+        0x00008000u, 0x00018000u, 0x807FFFFFu, 0x00000001u,                           /* F32 subnormals */
+        0x33800000u, 0x33000000u, 0x33C00000u, 0x387FC000u, 0xB3800001u,               /* F16 subnormal edge */
+        0x7F7FFFFFu, 0x7F7F8000u, 0x477FE000u, 0x477FF000u, 0x477FEFFFu, 0xC77FF000u,   /* max / overflow */
+    };
+    const int64_t n = 53;
+    static const enum kvs_isa isas[] = {KVS_ISA_AVX2, KVS_ISA_AVX512, KVS_ISA_NEON};
+    const struct kvs_kernels *ref = kvs_kernels_get(KVS_ISA_SCALAR);
+    static const enum kvs_type acts[] = {KVS_TYPE_F16, KVS_TYPE_BF16};
+    for (size_t ii = 0; ii < sizeof isas / sizeof isas[0]; ii++) {
+        const struct kvs_kernels *k = kvs_kernels_get(isas[ii]);
+        if (!k)
+            continue;
+        for (size_t ai = 0; ai < 2; ai++) {
+            for (size_t pi = 0; pi < sizeof pat / sizeof pat[0]; pi++) {
+                float x[53];
+                uint16_t q1[53], q2[53];
+                for (int64_t i = 0; i < n; i++) {
+                    uint32_t u = pat[(pi + (size_t)i) % (sizeof pat / sizeof pat[0])];
+                    memcpy(&x[i], &u, 4);
+                }
+                kvs_quantize_act(ref, acts[ai], x, q1, n);
+                kvs_quantize_act(k, acts[ai], x, q2, n);
+                for (int64_t i = 0; i < n; i++) {
+                    if (q1[i] != q2[i]) {
+                        uint32_t u;
+                        memcpy(&u, &x[i], 4);
+                        print_error("%s %s of 0x%08x [%lld]: 0x%04x vs scalar 0x%04x\n", kvs_isa_name(isas[ii]),
+                                    kvs_type_name(acts[ai]), u, (long long)i, q2[i], q1[i]);
+                        fail();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* The SIMD tables have a kernel of their own for every weight type's dot
+ * (test_simd_vs_scalar would otherwise compare the reference with itself). */
+static void test_simd_coverage(void **state)
+{
+    (void)state;
+    const struct kvs_kernels *ref = kvs_kernels_get(KVS_ISA_SCALAR);
+    static const enum kvs_isa isas[] = {KVS_ISA_AVX2, KVS_ISA_AVX512};
+    for (size_t ii = 0; ii < sizeof isas / sizeof isas[0]; ii++) {
+        const struct kvs_kernels *k = kvs_kernels_get(isas[ii]);
+        if (!k)
+            continue;
+        for (size_t ti = 0; ti < N_WTYPES; ti++) {
+            enum kvs_type t = weight_types[ti];
+            if (k->dot[t] == ref->dot[t]) {
+                print_error("%s has no vec_dot of its own for %s\n", kvs_isa_name(isas[ii]), kvs_type_name(t));
+                fail();
+            }
+        }
+        static const enum kvs_type acts[] = {KVS_TYPE_Q8_0, KVS_TYPE_Q8_1, KVS_TYPE_Q8_K, KVS_TYPE_F16,
+                                             KVS_TYPE_BF16};
+        for (size_t ai = 0; ai < sizeof acts / sizeof acts[0]; ai++)
+            assert_true(k->quant_act[acts[ai]] != ref->quant_act[acts[ai]]);
     }
 }
 
@@ -550,6 +626,8 @@ int main(void)
         cmocka_unit_test(test_vec_dot_vs_float),
         cmocka_unit_test(test_simd_vs_scalar),
         cmocka_unit_test(test_simd_quant_ties),
+        cmocka_unit_test(test_simd_f16_bf16_special),
+        cmocka_unit_test(test_simd_coverage),
         cmocka_unit_test(test_pool),
         cmocka_unit_test(test_matmul_threads),
         cmocka_unit_test(test_matmul_tiles),

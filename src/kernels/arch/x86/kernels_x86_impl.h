@@ -6,11 +6,12 @@
  * per kernel below) and combines them with the same per-block float scales;
  * only the float summation order differs (gguf-facts §2.5).
  *
- * Vectorized here: activation quantization Q8_0, Q8_1, Q8_K; vec_dot for
- * Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, F16; dot4 (one weight row, four activation
- * rows) for Q4_0, Q8_0, Q4_K, Q6_K. Everything else (dequantization, Q4_1,
- * Q5_0, Q5_1, Q2_K, Q3_K, BF16, F32, F16/BF16 activation conversion) uses
- * the scalar reference. Include only from a file compiled with AVX2 flags. */
+ * Vectorized here: activation quantization Q8_0, Q8_1, Q8_K and conversion
+ * to F16 / BF16; vec_dot for every weight type (F32, F16, BF16, Q4_0, Q4_1,
+ * Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); dot4 (one weight row,
+ * four activation rows) for Q4_0, Q8_0, Q4_K, Q6_K. Dequantization (one
+ * embedding row per token, off the hot path) uses the scalar reference.
+ * Include only from a file compiled with AVX2 flags. */
 #ifndef KVS_KERNELS_X86_IMPL_H
 #define KVS_KERNELS_X86_IMPL_H
 
@@ -392,6 +393,244 @@ static float kvs_x86_dot_f16(int64_t n, const void *w, const void *a)
     return s;
 }
 
+/* --- F32 and BF16 ------------------------------------------------------------ */
+
+static float kvs_x86_dot_f32(int64_t n, const void *w, const void *a)
+{
+    const float *x = w, *y = a;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; k++)
+            acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * k), _mm256_loadu_ps(y + i + 8 * k), acc[k]);
+    for (; i + 8 <= n; i += 8)
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), acc[0]);
+    float s = kvs_x86_hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for (; i < n; i++)
+        s += x[i] * y[i];
+    return s;
+}
+
+/* 8 BF16 values (the high halves of F32) widened to F32: exact. */
+static inline __m256 kvs_x86_bf16x8(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float kvs_x86_bf16(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static float kvs_x86_dot_bf16(int64_t n, const void *w, const void *a)
+{
+    const uint16_t *x = w, *y = a;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; k++)
+            acc[k] = _mm256_fmadd_ps(kvs_x86_bf16x8(x + i + 8 * k), kvs_x86_bf16x8(y + i + 8 * k), acc[k]);
+    float s = kvs_x86_hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for (; i < n; i++)
+        s += kvs_x86_bf16(x[i]) * kvs_x86_bf16(y[i]);
+    return s;
+}
+
+/* F32 -> BF16 rows as kvs_f32_to_bf16: round to nearest even on the upper
+ * 16 bits, NaN kept quiet (| 0x40). */
+static void kvs_x86_quant_bf16(const float *src, void *dst, int64_t n)
+{
+    uint16_t *d = dst;
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1), quiet = _mm256_set1_epi32(64);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i r[2];
+        for (int k = 0; k < 2; k++) {
+            __m256i x = _mm256_castps_si256(_mm256_loadu_ps(src + i + 8 * k));
+            __m256i rounded = _mm256_srli_epi32(
+                _mm256_add_epi32(x, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(x, 16), one))), 16);
+            __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, abs_mask), inf);
+            __m256i qn = _mm256_or_si256(_mm256_srli_epi32(x, 16), quiet);
+            r[k] = _mm256_blendv_epi8(rounded, qn, nan);
+        }
+        /* 32 -> 16 bits: values are < 2^16, so unsigned saturation is exact */
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xD8);
+        _mm256_storeu_si256((__m256i *)(d + i), p);
+    }
+    if (i < n)
+        kvs_ref_quant_bf16(src + i, d + i, n - i);
+}
+
+/* F32 -> F16 rows (round to nearest even: F16C's conversion, as
+ * kvs_ref_quant_f16). */
+static void kvs_x86_quant_f16(const float *src, void *dst, int64_t n)
+{
+    uint16_t *d = dst;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(d + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    if (i < n)
+        kvs_ref_quant_f16(src + i, d + i, n - i);
+}
+
+/* --- Q4_1, Q5_0, Q5_1 (32-element blocks) ------------------------------------ */
+
+/* Q4_1 / Q5_x block quants unpacked to unsigned bytes 0..15 in element
+ * order: low nibbles are elements 0..15, high nibbles 16..31. */
+static inline __m256i kvs_x86_unpack_nibbles(const uint8_t *qs)
+{
+    __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+/* The Q5 fifth bits: byte j is 0x10 where bit j of the little-endian qh is
+ * set, else 0. */
+static inline __m256i kvs_x86_q5_high(const uint8_t qh[4])
+{
+    uint32_t h;
+    memcpy(&h, qh, 4); /* x86 is little-endian, as the format */
+    const __m256i shuf = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)h), shuf), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
+}
+
+/* Q4_1 x Q8_1: u = 0..15 (u * a pairs <= 3810 fit int16); the min term is
+ * m * s_y per block (s_y = d_y * sum of the Q8_1 quants). */
+static float kvs_x86_dot_q4_1(int64_t n, const void *w, const void *a)
+{
+    const kvs_block_q4_1 *x = w;
+    const kvs_block_q8_1 *y = a;
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int64_t i = 0; i < n / KVS_QK; i++) {
+        __m256i p = kvs_x86_dpbusd(_mm256_setzero_si256(), kvs_x86_unpack_nibbles(x[i].qs),
+                                   _mm256_loadu_si256((const __m256i *)y[i].qs));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i].d) * KVS_F16(y[i].d)), _mm256_cvtepi32_ps(p), acc);
+        mins += KVS_F16(x[i].m) * KVS_F16(y[i].s);
+    }
+    return kvs_x86_hsum_ps(acc) + mins;
+}
+
+/* Q5_0 x Q8_0: q = (nibble | fifth bit << 4) - 16 in -16..15. */
+static float kvs_x86_dot_q5_0(int64_t n, const void *w, const void *a)
+{
+    const kvs_block_q5_0 *x = w;
+    const kvs_block_q8_0 *y = a;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / KVS_QK; i++) {
+        __m256i q = _mm256_sub_epi8(_mm256_or_si256(kvs_x86_unpack_nibbles(x[i].qs), kvs_x86_q5_high(x[i].qh)),
+                                    _mm256_set1_epi8(16));
+        __m256i p = kvs_x86_dot_s8(q, _mm256_loadu_si256((const __m256i *)y[i].qs));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i].d) * KVS_F16(y[i].d)), _mm256_cvtepi32_ps(p), acc);
+    }
+    return kvs_x86_hsum_ps(acc);
+}
+
+/* Q5_1 x Q8_1: u = 0..31 (u * a pairs <= 7874 fit int16), plus m * s_y. */
+static float kvs_x86_dot_q5_1(int64_t n, const void *w, const void *a)
+{
+    const kvs_block_q5_1 *x = w;
+    const kvs_block_q8_1 *y = a;
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int64_t i = 0; i < n / KVS_QK; i++) {
+        __m256i u = _mm256_or_si256(kvs_x86_unpack_nibbles(x[i].qs), kvs_x86_q5_high(x[i].qh));
+        __m256i p = kvs_x86_dpbusd(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i *)y[i].qs));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i].d) * KVS_F16(y[i].d)), _mm256_cvtepi32_ps(p), acc);
+        mins += KVS_F16(x[i].m) * KVS_F16(y[i].s);
+    }
+    return kvs_x86_hsum_ps(acc) + mins;
+}
+
+/* --- Q2_K, Q3_K against Q8_K --------------------------------------------------- */
+
+/* Both keep 2-bit quants in 64 bytes: elements 128h + 32j + l (h 0..1,
+ * j 0..3, l 0..31) are bits 2j..2j+1 of qs[32h + l], so one 32-byte load
+ * shifted by 2j gives 32 consecutive elements, i.e. the 16-element
+ * sub-blocks s = 8h + 2j (lanes 0..3 of a dpbusd) and s + 1 (lanes 4..7). */
+static inline __m256i kvs_x86_sub_scales(int lo, int hi)
+{
+    return _mm256_set_m128i(_mm_set1_epi32(hi), _mm_set1_epi32(lo));
+}
+
+/* Q2_K: sa = sum_s (scales[s] & 15) * (q . a)_s with q 0..3 (pairs <= 762);
+ * sm = sum_s (scales[s] >> 4) * bsums[s]. Integer sums equal the reference's. */
+static float kvs_x86_dot_q2_K(int64_t n, const void *w, const void *a)
+{
+    const kvs_block_q2_K *x = w;
+    const kvs_block_q8_K *y = a;
+    const __m256i m3 = _mm256_set1_epi8(3);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / KVS_QK_K; i++) {
+        __m256i acc = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * h));
+            for (int j = 0; j < 4; j++) {
+                const int s = 8 * h + 2 * j;
+                __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
+                __m256i p = kvs_x86_dpbusd(_mm256_setzero_si256(), v,
+                                           _mm256_loadu_si256((const __m256i *)(y[i].qs + 128 * h + 32 * j)));
+                acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(p, kvs_x86_sub_scales(x[i].scales[s] & 0xF,
+                                                                                       x[i].scales[s + 1] & 0xF)));
+            }
+        }
+        /* mins: 16 x (4-bit min * int16 bsum) via madd */
+        __m128i sc = _mm_loadu_si128((const __m128i *)x[i].scales);
+        __m256i mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(0x0F)));
+        __m256i pm = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)y[i].bsums));
+        int sa = kvs_x86_hsum_epi32(acc), sm = kvs_x86_hsum_epi32(pm);
+        sum += KVS_F16(x[i].d) * y[i].d * (float)sa - KVS_F16(x[i].dmin) * y[i].d * (float)sm;
+    }
+    return sum;
+}
+
+/* Q3_K: value = q2 - 4 where the hmask bit is clear, i.e. u - 4 with
+ * u = q2 + 4 * bit in 0..7 (pairs <= 1778 fit int16); the -4 comes back as
+ * -4 * sum_s scale_s * bsums[s]. Element 128h + 32j + l has its hmask bit
+ * at bit 4h + j of hmask[l]; scales are the signed 6-bit ones of the
+ * reference (kvs_q3k_scale's layout, gguf-facts §2.4). */
+static float kvs_x86_dot_q3_K(int64_t n, const void *w, const void *a)
+{
+    const kvs_block_q3_K *x = w;
+    const kvs_block_q8_K *y = a;
+    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / KVS_QK_K; i++) {
+        const uint8_t *b = x[i].scales;
+        int sc[16];
+        for (int s = 0; s < 16; s++) {
+            int low4 = s < 8 ? (b[s] & 0xF) : (b[s - 8] >> 4);
+            int high2 = (b[8 + s % 4] >> (2 * (s / 4))) & 3;
+            sc[s] = (low4 | high2 << 4) - 32;
+        }
+        __m256i hm = _mm256_loadu_si256((const __m256i *)x[i].hmask);
+        __m256i acc = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * h));
+            for (int j = 0; j < 4; j++) {
+                const int s = 8 * h + 2 * j;
+                __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
+                __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + j), one);
+                v = _mm256_add_epi8(v, _mm256_slli_epi16(hb, 2)); /* hb <= 1: no carry across bytes */
+                __m256i p = kvs_x86_dpbusd(_mm256_setzero_si256(), v,
+                                           _mm256_loadu_si256((const __m256i *)(y[i].qs + 128 * h + 32 * j)));
+                acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(p, kvs_x86_sub_scales(sc[s], sc[s + 1])));
+            }
+        }
+        int off = 0;
+        for (int s = 0; s < 16; s++)
+            off += sc[s] * y[i].bsums[s];
+        sum += KVS_F16(x[i].d) * y[i].d * (float)(kvs_x86_hsum_epi32(acc) - 4 * off);
+    }
+    return sum;
+}
+
 /* Table entries shared by the AVX2 and AVX-512 tables. */
 #define KVS_X86_ENTRIES                                                                              \
     .quant_act[KVS_TYPE_Q8_0] = kvs_x86_quant_q8_0, .quant_act[KVS_TYPE_Q8_1] = kvs_x86_quant_q8_1, \
@@ -400,6 +639,10 @@ static float kvs_x86_dot_f16(int64_t n, const void *w, const void *a)
     .dot[KVS_TYPE_Q5_K] = kvs_x86_dot_q5_K, .dot[KVS_TYPE_Q6_K] = kvs_x86_dot_q6_K,                 \
     .dot[KVS_TYPE_F16] = kvs_x86_dot_f16, .dot4[KVS_TYPE_Q8_0] = kvs_x86_dot4_q8_0,                 \
     .dot4[KVS_TYPE_Q4_0] = kvs_x86_dot4_q4_0, .dot4[KVS_TYPE_Q4_K] = kvs_x86_dot4_q4_K,             \
-    .dot4[KVS_TYPE_Q6_K] = kvs_x86_dot4_q6_K
+    .dot4[KVS_TYPE_Q6_K] = kvs_x86_dot4_q6_K, .dot[KVS_TYPE_F32] = kvs_x86_dot_f32,                 \
+    .dot[KVS_TYPE_BF16] = kvs_x86_dot_bf16, .dot[KVS_TYPE_Q4_1] = kvs_x86_dot_q4_1,                 \
+    .dot[KVS_TYPE_Q5_0] = kvs_x86_dot_q5_0, .dot[KVS_TYPE_Q5_1] = kvs_x86_dot_q5_1,                 \
+    .dot[KVS_TYPE_Q2_K] = kvs_x86_dot_q2_K, .dot[KVS_TYPE_Q3_K] = kvs_x86_dot_q3_K,                 \
+    .quant_act[KVS_TYPE_BF16] = kvs_x86_quant_bf16, .quant_act[KVS_TYPE_F16] = kvs_x86_quant_f16
 
 #endif
