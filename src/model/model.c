@@ -572,6 +572,17 @@ static void rope_apply(const struct kvs_model *m, float *x, const float *cs)
     }
 }
 
+/* The pool for a product of rows x K weights with n_tok tokens, or NULL
+ * (the caller's thread alone) when the product is too small to repay a pool
+ * round trip: tiny models then run at one thread's speed whatever else the
+ * machine is doing, instead of waiting for a descheduled worker per matmul. */
+#define MM_PARALLEL_MIN_MACS ((int64_t)1 << 18)
+#define ATT_PARALLEL_MIN_MACS ((int64_t)1 << 16)
+static struct kvs_pool *mm_pool(const struct kvs_model *m, int64_t rows, int64_t K, int64_t n_tok)
+{
+    return rows * K * n_tok >= MM_PARALLEL_MIN_MACS ? m->pool : NULL;
+}
+
 static inline float silu(float z) { return z / (1.0f + expf(-z)); }
 
 struct att_ctx {
@@ -650,7 +661,7 @@ static void attention_block(struct kvs_model *m, const struct kvs_batch *b, int3
         rmsnorm(m->xn + (size_t)t * (size_t)E, m->x + (size_t)t * (size_t)E, w->attn_norm, E, hp->rms_eps);
     const struct kvs_matrix *qkv[3] = { &w->wq, &w->wk, &w->wv };
     float *const qkv_out[3] = { m->q, m->kv_k, m->kv_v };
-    kvs_matmul_multi(m->k, m->pool, 3, qkv, m->xn, n, qkv_out, m->mm_scratch);
+    kvs_matmul_multi(m->k, mm_pool(m, m->q_dim + 2 * m->kv_dim, E, n), 3, qkv, m->xn, n, qkv_out, m->mm_scratch);
     add_bias(m->q, w->bq, n, m->q_dim);
     add_bias(m->kv_k, w->bk, n, m->kv_dim);
     add_bias(m->kv_v, w->bv, n, m->kv_dim);
@@ -676,11 +687,14 @@ static void attention_block(struct kvs_model *m, const struct kvs_batch *b, int3
         kvs_quantize_act(m->k, KVS_TYPE_F16, v, m->vcache + off, m->kv_dim);
     }
     struct att_ctx ac = { m, b, il };
-    if (m->n_threads > 1 && (int64_t)n * hp->n_head > 1)
+    int64_t att_macs = 0; /* q·k and v products: (pos + 1) keys per token and head */
+    for (int32_t t = 0; t < n; t++) att_macs += (int64_t)b->pos[t] + 1;
+    att_macs *= (int64_t)hp->n_head * D * 2;
+    if (m->n_threads > 1 && (int64_t)n * hp->n_head > 1 && att_macs >= ATT_PARALLEL_MIN_MACS)
         kvs_pool_run(m->pool, attention_worker, &ac);
     else
         attention_worker(&ac, 0, 1);
-    kvs_matmul(m->k, m->pool, &w->wo, m->att, n, m->tmp, m->mm_scratch);
+    kvs_matmul(m->k, mm_pool(m, E, m->q_dim, n), &w->wo, m->att, n, m->tmp, m->mm_scratch);
     add_bias(m->tmp, w->bo, n, E);
     for (size_t i = 0; i < (size_t)n * (size_t)E; i++) m->x[i] += m->tmp[i];
 }
@@ -715,9 +729,9 @@ static void ffn_dense(struct kvs_model *m, const struct block_w *w, int32_t n)
     const int64_t F = m->hp.n_ff;
     const struct kvs_matrix *gu[2] = { &w->gate, &w->up };
     float *const gu_out[2] = { m->ffa, m->ffb };
-    kvs_matmul_multi(m->k, m->pool, 2, gu, m->xn, n, gu_out, m->mm_scratch);
+    kvs_matmul_multi(m->k, mm_pool(m, 2 * F, m->hp.n_embd, n), 2, gu, m->xn, n, gu_out, m->mm_scratch);
     swiglu(m, m->ffa, m->ffb, (size_t)n * (size_t)F);
-    kvs_matmul(m->k, m->pool, &w->down, m->ffa, n, m->tmp, m->mm_scratch);
+    kvs_matmul(m->k, mm_pool(m, m->hp.n_embd, F, n), &w->down, m->ffa, n, m->tmp, m->mm_scratch);
 }
 
 /* MoE (gguf-facts §4.6): softmax router, top-k, renormalized weights; tokens
@@ -727,7 +741,7 @@ static void ffn_moe(struct kvs_model *m, const struct block_w *w, int32_t n)
     const struct kvs_hparams *hp = &m->hp;
     const int32_t X = (int32_t)hp->n_expert, K = (int32_t)hp->n_expert_used;
     const int64_t E = hp->n_embd, Fe = hp->n_ff_exp;
-    kvs_matmul(m->k, m->pool, &w->router, m->xn, n, m->router, m->mm_scratch);
+    kvs_matmul(m->k, mm_pool(m, X, E, n), &w->router, m->xn, n, m->router, m->mm_scratch);
     for (int32_t t = 0; t < n; t++) {
         float *r = m->router + (size_t)t * (size_t)X;
         float mx = -INFINITY;
@@ -773,9 +787,9 @@ static void ffn_moe(struct kvs_model *m, const struct block_w *w, int32_t n)
         d.data = (const uint8_t *)d.data + (size_t)e * w->down_x_stride;
         const struct kvs_matrix *gu[2] = { &g, &u };
         float *const gu_out[2] = { m->ffa, m->ffb };
-        kvs_matmul_multi(m->k, m->pool, 2, gu, m->moe_in, cnt, gu_out, m->mm_scratch);
+        kvs_matmul_multi(m->k, mm_pool(m, 2 * Fe, E, cnt), 2, gu, m->moe_in, cnt, gu_out, m->mm_scratch);
         swiglu(m, m->ffa, m->ffb, (size_t)cnt * (size_t)Fe);
-        kvs_matmul(m->k, m->pool, &d, m->ffa, cnt, m->tmp, m->mm_scratch);
+        kvs_matmul(m->k, mm_pool(m, E, Fe, cnt), &d, m->ffa, cnt, m->tmp, m->mm_scratch);
         for (int32_t r = 0; r < cnt; r++) {
             const float wt = m->selw[m->rows[r]];
             float *y = m->moe_y + (size_t)m->rows[r] * (size_t)E;
@@ -871,6 +885,6 @@ kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float 
         rmsnorm(m->xn + (size_t)n_out * (size_t)E, m->x + (size_t)t * (size_t)E, m->out_norm, E, hp->rms_eps);
         n_out++;
     }
-    if (n_out) kvs_matmul(m->k, m->pool, &m->out_w, m->xn, n_out, out, m->mm_scratch);
+    if (n_out) kvs_matmul(m->k, mm_pool(m, m->out_w.ne1, E, n_out), &m->out_w, m->xn, n_out, out, m->mm_scratch);
     return KVS_OK;
 }
