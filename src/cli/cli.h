@@ -4,6 +4,8 @@
 #ifndef KVS_CLI_H
 #define KVS_CLI_H
 
+#include <stdint.h>
+
 struct kvs_cli_command {
     const char *name;     /* first word, e.g. "run" or "gguf" */
     const char *summary;  /* one line for `kvasir --help` */
@@ -28,5 +30,12 @@ int kvs_cli_bench(int argc, char **argv);    /* bench --probe */
  * or return -1 (empty, trailing characters, out of range) and leave *out as it was. */
 int kvs_cli_parse_long(const char *s, long lo, long hi, long *out);
 int kvs_cli_parse_float(const char *s, float *out);
+
+/* Sampling seeds. kvs_cli_random_seed: 63 random bits (getrandom, else the
+ * clock and pid), the default when no --seed is given, as in llama.cpp.
+ * kvs_cli_parse_seed reads a whole unsigned decimal, or -1 for a random seed;
+ * returns 0 and sets *out, or -1 and leaves *out as it was. */
+uint64_t kvs_cli_random_seed(void);
+int kvs_cli_parse_seed(const char *s, uint64_t *out);
 
 #endif

@@ -284,6 +284,9 @@ int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o
     struct client c = { .n_done_unseen = 0 };
     pthread_mutex_init(&c.mu, NULL);
     pthread_cond_init(&c.cv, NULL);
+    if (o->sp.temp > 0.0f)
+        KVS_LOGI("sampling seed %llu (--seed %llu repeats this output)", (unsigned long long)o->sp.seed,
+                 (unsigned long long)o->sp.seed);
     pthread_t th;
     if (pthread_create(&th, NULL, loop_thread, head)) {
         fprintf(stderr, "kvasir: cannot start the stage thread\n");
@@ -358,11 +361,7 @@ bool kvs_ring_client_opt(const char *a, const char *v, struct kvs_ring_client_op
     else if (!strcmp(a, "--min-p")) *bad = kvs_cli_parse_float(v, &co->sp.min_p);
     else if (!strcmp(a, "--repeat-penalty")) *bad = kvs_cli_parse_float(v, &co->sp.repeat_penalty);
     else if (!strcmp(a, "--seed")) {
-        char *end;
-        errno = 0;
-        unsigned long long s = strtoull(v, &end, 10);
-        *bad = errno || end == v || *end || v[0] == '-';
-        co->sp.seed = (uint64_t)s;
+        *bad = kvs_cli_parse_seed(v, &co->sp.seed);
     } else if (!strcmp(a, "--parallel")) {
         *bad = kvs_cli_parse_long(v, 1, 1024, &lv);
         co->parallel = (int32_t)lv;
@@ -375,6 +374,7 @@ int kvs_cli_run_ring(int argc, char **argv)
 {
     struct kvs_ring_client_opts co = { .parallel = 1, .n_predict = 128, .ready_timeout_ms = 30000 };
     co.sp = kvs_sampler_default_params();
+    co.sp.seed = kvs_cli_random_seed(); /* --seed S or -1 overrides */
     const char *model = NULL;
     long ring = 0, threads = 2, n_ctx = 0, seqs = 0;
     bool f32 = false;

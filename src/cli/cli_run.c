@@ -30,17 +30,22 @@ struct run_opts {
 static void run_usage(FILE *f)
 {
     fprintf(f, "usage: kvasir run -m MODEL -p TEXT [options]\n"
-               "  -n N                 tokens to generate (default 128)\n"
+               "  -m, --model PATH     GGUF model\n"
+               "  -p, --prompt TEXT    prompt (special-token text such as <|im_start|> is parsed;\n"
+               "                       BOS is added where the model asks for it)\n"
+               "  -n, --n-predict N    tokens to generate (default 128)\n"
                "  --temp T             temperature, <= 0 greedy (default 0.8)\n"
                "  --top-k K            (default 40, <= 0 off)\n"
                "  --top-p P            (default 0.95, >= 1 off)\n"
                "  --min-p P            (default 0.05, <= 0 off)\n"
                "  --repeat-penalty R   (default 1.0 = off)\n"
-               "  --seed S             (default 0)\n"
-               "  --threads T          compute threads (default 2)\n"
-               "  --ctx N              context length (default min(model's, 4096))\n"
+               "  --seed S             sampling seed, -1 random (default random; the seed used is logged)\n"
+               "  -t, --threads T      compute threads (default 2)\n"
+               "  -c, --ctx N          context length (default min(model's, 4096))\n"
                "  --ignore-eos         do not stop at end-of-generation tokens\n"
-               "  --ring N             run as a local ring of N stages\n");
+               "  --ring N             run as a local ring of N stage processes on loopback; with\n"
+               "                       --ring, also --prompts FILE, --parallel P, --seqs S and\n"
+               "                       --boundary f16|f32 (`kvasir run --ring 2 --help` explains them)\n");
 }
 
 /* Returns 0 on success, 2 on a usage error, 1 if --help was printed. */
@@ -50,6 +55,7 @@ static int run_parse(int argc, char **argv, struct run_opts *o)
     o->n_predict = 128;
     o->threads = 2;
     o->sp = kvs_sampler_default_params();
+    o->sp.seed = kvs_cli_random_seed(); /* --seed S or -1 overrides */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -85,11 +91,7 @@ static int run_parse(int argc, char **argv, struct run_opts *o)
         else if (!strcmp(a, "--repeat-penalty"))
             bad = kvs_cli_parse_float(v, &o->sp.repeat_penalty);
         else if (!strcmp(a, "--seed")) {
-            char *end;
-            errno = 0;
-            unsigned long long s = strtoull(v, &end, 10);
-            bad = errno || end == v || *end || v[0] == '-';
-            o->sp.seed = (uint64_t)s;
+            bad = kvs_cli_parse_seed(v, &o->sp.seed);
         } else if (!strcmp(a, "--threads") || !strcmp(a, "-t"))
             bad = kvs_cli_parse_long(v, 1, 512, &o->threads);
         else if (!strcmp(a, "--ctx") || !strcmp(a, "-c"))
@@ -97,7 +99,11 @@ static int run_parse(int argc, char **argv, struct run_opts *o)
         else if (!strcmp(a, "--ring"))
             bad = kvs_cli_parse_long(v, 1, 1024, &o->ring);
         else {
-            fprintf(stderr, "kvasir run: unknown option: %s\n", a);
+            if (!strcmp(a, "--boundary") || !strcmp(a, "--prompts") || !strcmp(a, "--parallel") ||
+                !strcmp(a, "--seqs"))
+                fprintf(stderr, "kvasir run: %s is an option of a ring: add --ring N (N >= 2)\n", a);
+            else
+                fprintf(stderr, "kvasir run: unknown option: %s\n", a);
             return 2;
         }
         if (bad) {
@@ -183,6 +189,9 @@ static int run_single(const struct run_opts *o)
     }
     KVS_LOGI("run: %s, %lld prompt tokens, n_ctx %d, %ld threads", kvs_model_hparams(m)->arch_name,
              (long long)n_prompt, (int)n_ctx, o->threads);
+    if (o->sp.temp > 0.0f)
+        KVS_LOGI("run: sampling seed %llu (--seed %llu repeats this output)", (unsigned long long)o->sp.seed,
+                 (unsigned long long)o->sp.seed);
 
     /* Prefill in chunks of n_batch; logits of the last row only. */
     const double t0 = run_now();

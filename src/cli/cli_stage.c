@@ -84,6 +84,7 @@ int kvs_cli_stage(int argc, char **argv)
     struct kvs_stage_params p = kvs_stage_default_params();
     struct kvs_ring_client_opts co = { .parallel = 1, .n_predict = 128, .ready_timeout_ms = 30000 };
     co.sp = kvs_sampler_default_params();
+    co.sp.seed = kvs_cli_random_seed(); /* --seed S or -1 overrides */
     const char *manifest = NULL, *window = NULL;
     long rank = -1, lv = 0, api = 0;
     /* flags given on the command line override the manifest's targets */

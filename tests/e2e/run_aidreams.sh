@@ -25,6 +25,27 @@ set +e
 set -e
 [ "$rc" = 2 ] || { echo "bad option: rc $rc, expected 2"; exit 1; }
 
+# Sampling seeds: no --seed draws a random one and logs it; that seed given
+# back reproduces the text; --seed -1 is random too; a bad seed is a usage error.
+tmpd=$(mktemp -d)
+trap 'rm -rf "$tmpd"' EXIT
+"$KVASIR_BIN" run -m "$model" -p "Once upon a time" -n 40 --temp 1.5 >"$tmpd/a" 2>"$tmpd/a.err"
+seed=$(sed -n 's/.*sampling seed \([0-9]*\) .*/\1/p' "$tmpd/a.err")
+[ -n "$seed" ] || { echo "no sampling seed logged: $(cat "$tmpd/a.err")"; exit 1; }
+"$KVASIR_BIN" run -m "$model" -p "Once upon a time" -n 40 --temp 1.5 --seed "$seed" >"$tmpd/b" 2>/dev/null
+cmp -s "$tmpd/a" "$tmpd/b" || { echo "--seed $seed did not reproduce the text"; exit 1; }
+"$KVASIR_BIN" run -m "$model" -p "Once upon a time" -n 40 --temp 1.5 --seed -1 >/dev/null 2>"$tmpd/c.err"
+grep -q 'sampling seed [0-9]' "$tmpd/c.err" || { echo "--seed -1: no seed logged"; exit 1; }
+set +e
+"$KVASIR_BIN" run -m "$model" -p x --seed -2 >/dev/null 2>&1; rc=$?
+set -e
+[ "$rc" = 2 ] || { echo "--seed -2: rc $rc, expected 2"; exit 1; }
+# Ring-only options without --ring say what is missing.
+set +e
+"$KVASIR_BIN" run -m "$model" -p x --boundary f32 >/dev/null 2>"$tmpd/r.err"; rc=$?
+set -e
+[ "$rc" = 2 ] && grep -q 'add --ring N' "$tmpd/r.err" || { echo "--boundary without --ring: rc $rc, $(cat "$tmpd/r.err")"; exit 1; }
+
 # eval: the prompt ids teacher-forced; one JSON line per position, the
 # top-1 of each must be the reference's (positions 0..12 of the ref file).
 prompt=$(grep -o '"prompt":\[[0-9,]*\]' "$ref" | sed -e 's/^"prompt":\[//' -e 's/\]$//')
