@@ -38,4 +38,10 @@ int kvs_cli_parse_float(const char *s, float *out);
 uint64_t kvs_cli_random_seed(void);
 int kvs_cli_parse_seed(const char *s, uint64_t *out);
 
+/* 0 when g holds the whole model (a full GGUF, or a shard of every block);
+ * else prints to stderr that PATH is a stage shard, which window it holds
+ * and how to serve it, and returns 1. who names the subcommand. */
+struct kvs_gguf;
+int kvs_cli_need_whole_model(const struct kvs_gguf *g, const char *who, const char *path);
+
 #endif

@@ -7,6 +7,9 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "gguf/gguf.h"
+#include "shard/shard.h"
+#include <stdio.h>
 
 int kvs_cli_parse_long(const char *s, long lo, long hi, long *out)
 {
@@ -51,4 +54,18 @@ int kvs_cli_parse_seed(const char *s, uint64_t *out)
     if (errno || end == s || *end || s[0] == '-') return -1;
     *out = (uint64_t)v;
     return 0;
+}
+
+int kvs_cli_need_whole_model(const struct kvs_gguf *g, const char *who, const char *path)
+{
+    uint32_t b, e, n = 0;
+    if (!kvs_shard_window(g, &b, &e)) return 0;
+    if (kvs_shard_block_count(g, &n) == KVS_OK && b == 0 && e == n) return 0;
+    char d[256];
+    if (kvs_shard_describe(g, d, sizeof d) != KVS_OK) snprintf(d, sizeof d, "window [%u,%u)", b, e);
+    fprintf(stderr,
+            "kvasir %s: %s is a stage shard (%s), not a whole model; %s needs every block. Serve the shard "
+            "as one stage of a ring: kvasir stage -m %s --window %u:%u --listen HOST:PORT --next HOST:PORT\n",
+            who, path, d, who, path, b, e);
+    return 1;
 }

@@ -111,6 +111,7 @@ int kvs_cli_eval(int argc, char **argv)
         KVS_LOGE("eval: %s: %s (%s)", model_path, kvs_strerror(e), err);
         goto done;
     }
+    if (kvs_cli_need_whole_model(g, "eval", model_path)) goto done;
     struct kvs_model_params mp = kvs_model_default_params();
     mp.n_ctx = (int32_t)n;
     mp.n_batch = (int32_t)(n < batch ? n : batch);

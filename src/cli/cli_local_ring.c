@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "cli/cli.h"
 #include "cli/cli_ring.h"
 #include "common/log.h"
 #include "gguf/gguf.h"
@@ -39,7 +40,9 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
     kvs_err e = kvs_gguf_open(o->model, &g, err, sizeof err);
     if (!e) {
         e = kvs_hparams_read(g, &hp, err, sizeof err);
+        int shard = !e && kvs_cli_need_whole_model(g, o->who, o->model);
         kvs_gguf_close(g);
+        if (shard) return 1;
     }
     if (e) {
         fprintf(stderr, "kvasir %s: %s: %s (%s)\n", o->who, o->model, kvs_strerror(e), err);

@@ -142,6 +142,7 @@ static int run_single(const struct run_opts *o)
         KVS_LOGE("run: %s: %s (%s)", o->model, kvs_strerror(e), err);
         goto done;
     }
+    if (kvs_cli_need_whole_model(g, "run", o->model)) goto done;
     if ((e = kvs_tokenizer_load(g, &tok, err, sizeof err))) {
         KVS_LOGE("run: tokenizer: %s (%s)", kvs_strerror(e), err);
         goto done;

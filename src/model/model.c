@@ -369,6 +369,9 @@ kvs_err kvs_model_load(const struct kvs_gguf *g, const struct kvs_model_params *
     }
     m->n_blk = m->end - m->begin;
     m->n_ctx = p->n_ctx > 0 ? p->n_ctx : (int32_t)(hp->n_ctx_train < 4096 ? hp->n_ctx_train : 4096);
+    if (hp->n_ctx_train > 0 && m->n_ctx > (int32_t)hp->n_ctx_train && m->n_ctx <= (1 << 24))
+        KVS_LOGW("model: n_ctx %d is beyond the %u positions the model was trained on: text past them "
+                 "may degrade", (int)m->n_ctx, hp->n_ctx_train);
     m->n_seq = p->n_seq > 0 ? p->n_seq : 1;
     m->n_batch = p->n_batch > 0 ? p->n_batch : 512;
     m->n_threads = p->n_threads > 0 ? p->n_threads : 2;
