@@ -14,9 +14,10 @@ if [ ! -f "$MODEL" ]; then
   echo "model not found: $MODEL (pass a GGUF path as the first argument)" >&2
   exit 2
 fi
-bash scripts/install-deps.sh
+bash scripts/install-deps.sh >&2
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build -j"$(nproc)" --target kvasir
+# build logs on stderr: stdout carries only the generated text
+cmake --build build -j"$(nproc)" --target kvasir >&2
 NBLOCK=$(./build/kvasir gguf info "$MODEL" | sed -n 's/^ *[a-z0-9_]*\.block_count = \([0-9]*\).*/\1/p' | head -1)
 RING=4
 if [ -n "$NBLOCK" ] && [ "$NBLOCK" -lt "$RING" ]; then RING=$NBLOCK; fi

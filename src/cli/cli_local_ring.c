@@ -48,9 +48,10 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
         fprintf(stderr, "kvasir %s: %s: %s (%s)\n", o->who, o->model, kvs_strerror(e), err);
         return 1;
     }
-    if (o->n < 2 || o->n > (int)hp.n_block) {
-        fprintf(stderr, "kvasir %s: --ring %d: a ring needs 2 to %u stages for this model's %u blocks\n", o->who,
-                o->n, hp.n_block, hp.n_block);
+    const int n_min = o->allow_solo ? 1 : 2;
+    if (o->n < n_min || o->n > (int)hp.n_block) {
+        fprintf(stderr, "kvasir %s: --ring %d: a ring needs %d to %u stages for this model's %u blocks\n", o->who,
+                o->n, n_min, hp.n_block, hp.n_block);
         return 2;
     }
     const int n = o->n;
@@ -107,7 +108,7 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
     head->block_begin = 0;
     head->block_end = (int32_t)(hp.n_block / (uint32_t)n);
     head->listen = lr->head_listen;
-    head->next = lr->head_next;
+    head->next = n > 1 ? lr->head_next : NULL; /* one stage: the whole model, no links (solo) */
     head->n_threads = (int32_t)o->threads;
     head->n_ctx = (int32_t)o->n_ctx;
     head->n_seq = (int32_t)o->seqs;

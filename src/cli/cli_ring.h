@@ -36,7 +36,8 @@ int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o
 struct kvs_local_ring_opts {
     const char *who;          /* "run" or "serve", for messages */
     const char *model;        /* GGUF path every stage opens */
-    int n;                    /* stages, 2..n_block: an even split of the blocks */
+    int n;                    /* stages, 2..n_block (1..n_block with allow_solo): an even split */
+    bool allow_solo;          /* n = 1: the head holds every block, no child, no link (serve) */
     long threads, n_ctx, seqs, step_delay_ms;
     bool boundary_f32;
     const sigset_t *child_mask; /* signal mask the children start with (NULL: inherited) */

@@ -2,7 +2,8 @@
  * its head. Ranks 1..N-1 are `kvasir stage` children on loopback ports (an
  * even split of the blocks); rank 0 runs in this process, its loop on a
  * thread, the HTTP server beside it. SIGINT/SIGTERM/SIGHUP stop the API, the
- * head and every child (children also get SIGTERM if this process dies). */
+ * head and every child (children also get SIGTERM if this process dies).
+ * With N = 1 (the default) there is no child: the head holds every block. */
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
@@ -26,8 +27,9 @@
 
 static void serve_usage(FILE *f)
 {
-    fprintf(f, "usage: kvasir serve --ring N -m MODEL [options]\n"
-               "  --ring N             stages in the local ring (>= 2, <= the model's blocks)\n"
+    fprintf(f, "usage: kvasir serve -m MODEL [--ring N] [options]\n"
+               "  --ring N             stages in a local ring of processes (1..the model's blocks;\n"
+               "                       default 1: this process holds the whole model, like llama-server)\n"
                "  --port P             HTTP port (default 8080; 0 = any free port, logged)\n"
                "  --host ADDR          IPv4 address to listen on (default 127.0.0.1)\n"
                "  --model-name NAME    model id in the API (default: the file name)\n"
@@ -49,7 +51,7 @@ static void *serve_loop(void *arg)
 int kvs_cli_serve(int argc, char **argv)
 {
     const char *model = NULL, *host = "127.0.0.1", *name = NULL;
-    long ring = 0, port = 8080, threads = 2, n_ctx = 0, seqs = 4, max_body = 1 << 20, delay = 0;
+    long ring = 1, port = 8080, threads = 2, n_ctx = 0, seqs = 4, max_body = 1 << 20, delay = 0;
     bool f32 = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -65,7 +67,7 @@ int kvs_cli_serve(int argc, char **argv)
         }
         int bad = 0;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
-        else if (!strcmp(a, "--ring")) bad = kvs_cli_parse_long(v, 2, 1024, &ring);
+        else if (!strcmp(a, "--ring")) bad = kvs_cli_parse_long(v, 1, 1024, &ring);
         else if (!strcmp(a, "--port")) bad = kvs_cli_parse_long(v, 0, 65535, &port);
         else if (!strcmp(a, "--host")) host = v;
         else if (!strcmp(a, "--model-name")) name = v;
@@ -88,8 +90,8 @@ int kvs_cli_serve(int argc, char **argv)
         }
         i++;
     }
-    if (!model || ring < 2) {
-        fprintf(stderr, "kvasir serve: --ring N (N >= 2) and -m MODEL are required\n");
+    if (!model) {
+        fprintf(stderr, "kvasir serve: -m MODEL is required\n");
         serve_usage(stderr);
         return 2;
     }
@@ -113,7 +115,7 @@ int kvs_cli_serve(int argc, char **argv)
     struct kvs_stage_params sp = kvs_stage_default_params();
     struct kvs_local_ring_opts lo = { .who = "serve", .model = model, .n = (int)ring, .threads = threads,
                                       .n_ctx = n_ctx, .seqs = seqs, .step_delay_ms = delay,
-                                      .boundary_f32 = f32, .child_mask = &old };
+                                      .boundary_f32 = f32, .child_mask = &old, .allow_solo = true };
     int rc = sfd < 0 ? 1 : kvs_local_ring_start(&lo, &lr, &sp);
     if (rc) {
         if (sfd < 0) fprintf(stderr, "kvasir serve: cannot set up signals\n");
@@ -141,7 +143,10 @@ int kvs_cli_serve(int argc, char **argv)
         fprintf(stderr, "kvasir serve: API: %s (%s)\n", kvs_strerror(e), err);
         goto done;
     }
-    KVS_LOGI("serve: ring of %d stages, API on http://%s:%u", lr.n, host, (unsigned)kvs_api_port(api));
+    if (lr.n > 1)
+        KVS_LOGI("serve: ring of %d stages, API on http://%s:%u", lr.n, host, (unsigned)kvs_api_port(api));
+    else
+        KVS_LOGI("serve: one process (the whole model), API on http://%s:%u", host, (unsigned)kvs_api_port(api));
 
     /* Wait for a signal; note children that die (the ring then reports not ready). */
     for (;;) {

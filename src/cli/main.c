@@ -4,6 +4,13 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "kernels/kernels.h"
+#include "proto/proto.h"
+
+#ifndef KVS_VERSION
+#define KVS_VERSION "unknown"
+#endif
+
 static const struct kvs_cli_command commands[] = {
     /* Keep sorted by name. Add one line per subcommand. */
     { "bench", "measure this machine (--probe) for the planner", kvs_cli_bench },
@@ -20,7 +27,7 @@ static const struct kvs_cli_command commands[] = {
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: kvasir <command> [options]   (kvasir <command> --help)\n\ncommands:\n");
+    fprintf(f, "usage: kvasir <command> [options]   (kvasir <command> --help; kvasir --version)\n\ncommands:\n");
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
         fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
 }
@@ -33,6 +40,11 @@ int main(int argc, char **argv)
     }
     if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         usage(stdout);
+        return 0;
+    }
+    if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "version")) {
+        printf("kvasir %s (ring protocol %u, kernels %s)\n", KVS_VERSION, (unsigned)KVS_PROTO_VERSION,
+               kvs_isa_name(kvs_kernels_isa(kvs_kernels_best())));
         return 0;
     }
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)

@@ -54,3 +54,18 @@ case "$r" in
   *"the ring cannot close: successor"*'"code":"ring_unavailable"'*" 503") echo "refusal reason reaches the API: OK" ;;
   *) echo "FAIL: completion during a refusal: $r"; exit 1 ;;
 esac
+
+# `kvasir serve` without --ring: one process holds the whole model (no child,
+# no link) and answers with the reference continuation.
+SA=$(free_port)
+"$BIN" serve -m "$M" --port $SA 2>"$T/serve.err" & pids+=($!)
+for _ in $(seq 100); do
+  [ "$(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:$SA/health)" = 200 ] && break
+  sleep 0.1
+done
+out=$(curl -s http://127.0.0.1:$SA/v1/completions -d '{"prompt":"Once upon a time","max_tokens":60,"temperature":0}')
+case "$out" in
+  *"\"text\":$want"*) echo "serve (one process): reference continuation OK" ;;
+  *) echo "FAIL: serve without --ring: $out $(cat "$T/serve.err")"; exit 1 ;;
+esac
+grep -q 'serve: one process (the whole model)' "$T/serve.err" || { echo "FAIL: serve log: $(cat "$T/serve.err")"; exit 1; }
