@@ -109,7 +109,13 @@ static void bench_usage(FILE *f)
     fprintf(f, "usage: kvasir bench --probe [--name NAME] [--threads N] [--mib M] [--addr HOST:PORT]\n"
                "  prints a device object for the planner's inventory (docs/PLAN.md)\n"
                "  --threads N  threads to stream and compute with (default: online CPUs)\n"
-               "  --mib M      buffer to stream, MiB (default 512)\n");
+               "  --mib M      buffer to stream, MiB (default 512)\n"
+               "  --addr HOST:PORT  where this device's stage will listen (the manifest's listen/next)\n"
+               "  --name NAME  the device's name in the inventory (default: the host name)\n"
+               "Measured: mem_bytes (available memory), decode_gbps (read bandwidth), prefill_gflops.\n"
+               "Not measured: rtt_ms 1.0, bandwidth_mbps 1000 and accepts_inbound true are defaults\n"
+               "for a LAN; edit them for this device's network (a phone behind NAT: accepts_inbound\n"
+               "false, its relay RTT; docs/PLAN.md).\n");
 }
 
 /* Writes s as a JSON string body (escapes quotes, backslashes, controls). */
@@ -234,6 +240,8 @@ int kvs_cli_bench(int argc, char **argv)
         json_str(stdout, addr);
     }
     printf("}\n");
+    fprintf(stderr, "kvasir bench: rtt_ms, bandwidth_mbps and accepts_inbound are LAN defaults, not measured: "
+                    "edit them for this device's network (docs/PLAN.md)\n");
     /* Keep the measured loops from being optimised away. */
     if (sink == 42 && acc == 42.0f)
         fprintf(stderr, " ");
