@@ -1,6 +1,8 @@
 /* Kernel benchmark: weight-streaming GB/s of matrix-vector products (decode)
  * per type with 1 and 2 threads, prefill GFLOP/s (n_tok = 32), beside the
- * machine's read bandwidth measured in the same run.
+ * machine's read bandwidth measured in the same run, and the scalar
+ * reference's 1-thread decode figure on the same matrix (the baseline of the
+ * last column: SIMD / scalar, both per CPU-second of the thread).
  *
  * usage: bench_kernels [weight MiB per type (default 256)] [bandwidth MiB (default 1024)]
  * KVASIR_ISA=scalar|avx2|avx512 picks the kernel table. */
@@ -42,8 +44,11 @@ int main(int argc, char **argv)
         printf("read bandwidth (%ld MiB, %d thread%s): %.1f GB/s\n", bw_mib, nt, nt > 1 ? "s" : "",
                kvs_bench_read_gbps((size_t)bw_mib << 20, nt, 3));
 
-    static const enum kvs_type types[] = {KVS_TYPE_Q8_0, KVS_TYPE_Q4_0, KVS_TYPE_Q4_K, KVS_TYPE_Q6_K,
-                                          KVS_TYPE_Q5_K, KVS_TYPE_F16};
+    static const enum kvs_type types[] = {KVS_TYPE_Q8_0, KVS_TYPE_Q4_0, KVS_TYPE_Q4_1, KVS_TYPE_Q5_0,
+                                          KVS_TYPE_Q5_1, KVS_TYPE_Q2_K, KVS_TYPE_Q3_K, KVS_TYPE_Q4_K,
+                                          KVS_TYPE_Q5_K, KVS_TYPE_Q6_K, KVS_TYPE_F16, KVS_TYPE_BF16,
+                                          KVS_TYPE_F32};
+    const struct kvs_kernels *ref = kvs_kernels_get(KVS_ISA_SCALAR);
     const int64_t K = 4096, T = 32;
     struct kvs_pool *pools[2] = {NULL, NULL};
     for (int i = 0; i < 2; i++) {
@@ -57,8 +62,8 @@ int main(int argc, char **argv)
     for (int64_t i = 0; i < K * T; i++)
         x[i] = (float)((i * 7919) % 2001 - 1000) / 1000.0f;
     printf("(cpu: 1-thread figures per CPU-second of the thread, robust to a loaded machine)\n");
-    printf("%-6s %8s %9s %9s %9s %10s %10s %10s\n", "type", "rows", "1t GB/s", "2t GB/s", "1t cpu", "pf 1t GF/s",
-           "pf 2t GF/s", "pf 1t cpu");
+    printf("%-6s %8s %9s %9s %9s %10s %10s %10s %10s %7s\n", "type", "rows", "1t GB/s", "2t GB/s", "1t cpu",
+           "pf 1t GF/s", "pf 2t GF/s", "pf 1t cpu", "scalar cpu", "x ref");
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         enum kvs_type t = types[ti];
         size_t rb = kvs_type_row_bytes(t, K);
@@ -103,8 +108,18 @@ int main(int argc, char **argv)
             if (p == 0)
                 cpu_gfs = flop / cbest / 1e9;
         }
-        printf("%-6s %8lld %9.1f %9.1f %9.1f %10.1f %10.1f %10.1f\n", kvs_type_name(t), (long long)N, gbs[0],
-               gbs[1], cpu_gbs, gfs[0], gfs[1], cpu_gfs);
+        /* baseline: the scalar reference, 1 thread, decode, best of 3 */
+        double cref = 1e30;
+        kvs_matmul(ref, pools[0], &W, x, 1, y, scratch);
+        for (int r = 0; r < 3; r++) {
+            double c0 = thread_cpu_now();
+            kvs_matmul(ref, pools[0], &W, x, 1, y, scratch);
+            double dc = thread_cpu_now() - c0;
+            cref = dc < cref ? dc : cref;
+        }
+        const double ref_gbs = (double)rb * (double)N / cref / 1e9;
+        printf("%-6s %8lld %9.1f %9.1f %9.1f %10.1f %10.1f %10.1f %10.2f %7.1f\n", kvs_type_name(t), (long long)N,
+               gbs[0], gbs[1], cpu_gbs, gfs[0], gfs[1], cpu_gfs, ref_gbs, cpu_gbs / ref_gbs);
         free(w);
         free(scratch);
     }
