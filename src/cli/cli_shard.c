@@ -21,7 +21,9 @@ static void usage(FILE *f)
             "\n"
             "A shard of the window [BEGIN,END) holds the source's metadata plus the tensors of blocks\n"
             "BEGIN..END-1 (the embedding if BEGIN is 0, the output head if END is the block count).\n"
-            "fetch downloads only those bytes with HTTP range requests; a rerun resumes.\n"
+            "fetch downloads only those bytes with HTTP range requests; a rerun resumes an\n"
+            "interrupted fetch per tensor, and finds a finished output (same window, same model,\n"
+            "tensor digests intact) complete without downloading it again.\n"
             "On success fetch prints one line: 'fetched header_bytes=.. data_bytes=.. window_bytes=..\n"
             "skipped_bytes=.. header_reused_bytes=.. requests=.. tensors=.. resumed=.. verified=yes|no'.\n");
 }

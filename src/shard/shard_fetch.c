@@ -583,6 +583,54 @@ static kvs_err write_all_at(struct fetch *f, int fd, const uint8_t *p, size_t n,
     return KVS_OK;
 }
 
+/* True if out_path already holds this window of this model, whole: it opens
+ * as a shard of exactly [begin, end) whose source fingerprint is the remote
+ * model's, its tensors are the window's (names, sizes, offsets), their bytes
+ * hash to the shard's recorded tensors digest and, with an index, each to
+ * the index's SHA-256. A re-run of a finished fetch then moves no data. */
+static bool output_complete(struct fetch *f, const struct kvs_gguf *remote, uint64_t total)
+{
+    struct stat sb;
+    if (stat(f->p->out_path, &sb) != 0 || !S_ISREG(sb.st_mode) || (uint64_t)sb.st_size != total)
+        return false;
+    struct kvs_gguf *o = NULL;
+    char msg[256];
+    if (kvs_gguf_open(f->p->out_path, &o, msg, sizeof msg) != KVS_OK)
+        return false;
+    bool ok = false;
+    uint32_t b, e;
+    uint8_t fp_o[32], fp_r[32], dig[32];
+    char hex[65];
+    if (!kvs_shard_window(o, &b, &e) || b != f->p->begin || e != f->p->end ||
+        kvs_shard_check(o, b, e, msg, sizeof msg) != KVS_OK || kvs_gguf_n_tensors(o) != f->nt ||
+        kvs_gguf_fingerprint(o, fp_o) != KVS_OK || kvs_gguf_fingerprint(remote, fp_r) != KVS_OK ||
+        memcmp(fp_o, fp_r, 32) != 0)
+        goto done;
+    const char *want = NULL;
+    size_t want_len = 0;
+    if (kvs_gguf_get_str(o, KVS_SHARD_KEY_TENSORS_SHA256, &want, &want_len) != KVS_OK || want_len != 64)
+        goto done;
+    uint8_t(*sha)[32] = calloc(f->nt ? f->nt : 1, 32);
+    if (!sha)
+        goto done;
+    bool same = true;
+    for (size_t i = 0; i < f->nt && same; i++) {
+        const struct kvs_gguf_tensor *t = kvs_gguf_tensor(o, i);
+        same = !strcmp(t->name, f->t[i].name) && t->bytes == f->t[i].bytes &&
+               kvs_gguf_data_offset(o) + t->offset == f->t[i].dst &&
+               kvs_shard_sha256(t->bytes ? t->data : "", t->bytes, sha[i]) == KVS_OK &&
+               (!f->t[i].ix || !memcmp(f->t[i].ix->sha256, sha[i], 32));
+    }
+    if (same && kvs_shard_sha256(sha, 32 * f->nt, dig) == KVS_OK) {
+        kvs_shard_hex(dig, hex);
+        ok = !memcmp(hex, want, 64);
+    }
+    free(sha);
+done:
+    kvs_gguf_close(o);
+    return ok;
+}
+
 kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard_fetch_stats *stats,
                         char *errbuf, size_t errlen)
 {
@@ -665,6 +713,16 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
 
     /* Work files: resume if the state matches, else start afresh. */
     uint64_t total = kvs_gguf_writer_total_bytes(w);
+    if (output_complete(&f, g, total)) {
+        KVS_LOGI("fetch: %s already holds window [%u,%u) of this model (tensors digest%s checked): nothing to "
+                 "download", p->out_path, p->begin, p->end, p->index ? " and index" : "");
+        st->n_resumed = st->n_tensors;
+        st->skipped_bytes = st->window_bytes;
+        st->verified = p->index != NULL;
+        remove(part);
+        remove(f.state_path);
+        goto fail; /* err is KVS_OK: the common cleanup */
+    }
     struct stat sb;
     bool resume = stat(part, &sb) == 0 && (uint64_t)sb.st_size == total && state_load(&f);
     if (!resume) {

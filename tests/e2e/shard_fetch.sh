@@ -145,6 +145,18 @@ hr=$(field header_reused_bytes "$out")
 (( after - mid == db + $(field header_bytes "$out") )) || fail "rerun moved $((after - mid)) bytes, expected $db + header"
 (( after - before <= wb + wb / 100 + 3 * 1048576 + 8 * 1048576 )) || fail "resume moved $((after - before)) bytes in all"
 echo "ok: resume: first run $((mid - before)) bytes, rerun $((after - mid)) bytes ($out)"
+# a finished fetch run again moves no tensor data (only the header read);
+# a damaged output is fetched anew.
+out=$("$K" shard fetch --url "$BASE/llama-f32.gguf" --window 0:4 -o "$T/got.gguf" --progress none)
+again=$(served "$MAIN")
+(( $(field data_bytes "$out") == 0 && $(field skipped_bytes "$out") == wb )) || fail "rerun of a done fetch: $out"
+(( again - after == $(field header_bytes "$out") )) || fail "rerun of a done fetch moved $((again - after)) bytes"
+cmp "$T/got.gguf" "$T/ext.gguf" || fail "rerun of a done fetch changed the file"
+printf 'X' | dd of="$T/got.gguf" bs=1 seek=$(( $(stat -c %s "$T/got.gguf") - 100 )) conv=notrunc status=none
+out=$("$K" shard fetch --url "$BASE/llama-f32.gguf" --window 0:4 -o "$T/got.gguf" --progress none)
+(( $(field data_bytes "$out") >= wb )) || fail "a damaged output was not fetched again: $out"
+cmp "$T/got.gguf" "$T/ext.gguf" || fail "re-fetched shard differs"
+echo "ok: rerun of a finished fetch: data_bytes 0; a damaged output is fetched again"
 
 # source changes mid-fetch (ETag) -> error, no file
 mkdir -p "$T/src"
