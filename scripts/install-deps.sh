@@ -2,7 +2,7 @@
 # Installs the Debian packages Kvasir builds and tests with (as root, or via
 # sudo). Safe to rerun: only missing packages are installed.
 set -euo pipefail
-PKGS="build-essential cmake pkg-config clang libclang-rt-14-dev libcurl4-openssl-dev \
+PKGS="build-essential cmake pkg-config python3 clang libclang-rt-14-dev libcurl4-openssl-dev \
 libmicrohttpd-dev libssl-dev libjansson-dev libpcre2-dev libcmocka-dev lighttpd curl"
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"

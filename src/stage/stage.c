@@ -24,6 +24,7 @@
 #define MAX_PENDING_LINKS 4  /* accepted connections waiting for their HELLO */
 #define HANDSHAKE_MS 3000    /* a HELLO must arrive within this */
 #define PROBE_UNREADY_MS 20  /* head: probe interval until a probe has come round (then keepalive_ms) */
+#define PROBE_ACCEPT 1024u   /* head: a returning probe counts if it is one of the last this many */
 #define MAX_QUEUE 1024       /* submitted requests waiting */
 #define MAX_CANCELS 1024
 #define READ_CHUNK 65536
@@ -788,7 +789,10 @@ static void on_keepalive(struct kvs_stage *s, const struct kvs_frame *f)
     if (!(f->h.flags & KVS_FRAME_FLAG_PROBE)) return;
     uint64_t now = wall_us();
     if (s->is_head) {
-        if (f->h.pos == s->probe_no) {
+        /* Any of the last PROBE_ACCEPT probes counts: while the ring is not
+         * known closed they go out every PROBE_UNREADY_MS, faster than a ring
+         * with a longer round trip (a relay, a busy stage) brings one back. */
+        if ((uint32_t)(s->probe_no - f->h.pos) < PROBE_ACCEPT) {
             s->probe_back = kvs_link_now_ms();
             if (f->h.flags & KVS_FRAME_FLAG_TRAIL) head_take_trail(s, f, now);
         }
