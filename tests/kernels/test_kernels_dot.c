@@ -635,5 +635,10 @@ int main(void)
         cmocka_unit_test(test_matmul_multi),
         cmocka_unit_test(test_matmul_packed),
     };
+    /* KVS_TEST_FILTER=test_simd* runs a subset (scripts/neon-check.sh under
+     * emulation, where the matmul tests take long). */
+    const char *filter = getenv("KVS_TEST_FILTER");
+    if (filter && *filter)
+        cmocka_set_test_filter(filter);
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
