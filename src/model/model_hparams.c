@@ -109,6 +109,15 @@ kvs_err kvs_hparams_read(const struct kvs_gguf *g, struct kvs_hparams *hp, char 
         set_err(errbuf, errlen, "head_count %u is not a multiple of head_count_kv %u", hp->n_head, hp->n_head_kv);
         return KVS_ERR_FORMAT;
     }
+    {
+        char kl[96];
+        snprintf(kl, sizeof kl, "%s.attention.key_length", a);
+        if (kvs_gguf_find_key(g, kl) < 0 && hp->n_embd % hp->n_head) {
+            set_err(errbuf, errlen, "embedding_length %u is not a multiple of head_count %u (and no key_length)",
+                    hp->n_embd, hp->n_head);
+            return KVS_ERR_FORMAT;
+        }
+    }
     U32("attention.key_length", false, hp->n_embd / hp->n_head, &hp->head_dim);
     if ((e = check_range("attention.key_length", hp->head_dim, 2, HP_MAX_DIM, errbuf, errlen))) return e;
     uint32_t vlen;
@@ -125,7 +134,7 @@ kvs_err kvs_hparams_read(const struct kvs_gguf *g, struct kvs_hparams *hp, char 
     }
     U32("expert_count", false, 0, &hp->n_expert);
     if (hp->arch == KVS_ARCH_QWEN3MOE && hp->n_expert == 0) {
-        set_err(errbuf, errlen, "qwen3moe without %s.expert_count", a);
+        set_err(errbuf, errlen, "qwen3moe needs %s.expert_count >= 1 (missing or 0)", a);
         return KVS_ERR_FORMAT;
     }
     if (hp->arch != KVS_ARCH_QWEN3MOE && hp->n_expert != 0) {
@@ -137,6 +146,8 @@ kvs_err kvs_hparams_read(const struct kvs_gguf *g, struct kvs_hparams *hp, char 
         if ((e = check_range("feed_forward_length", hp->n_ff, 1, HP_MAX_DIM, errbuf, errlen))) return e;
     } else {
         if ((e = check_range("expert_count", hp->n_expert, 1, HP_MAX_EXPERTS, errbuf, errlen))) return e;
+        /* optional for MoE (the dense FFN size), but bounded: it sizes buffers */
+        if ((e = check_range("feed_forward_length", hp->n_ff, 0, HP_MAX_DIM, errbuf, errlen))) return e;
         U32("expert_used_count", true, 0, &hp->n_expert_used);
         if ((e = check_range("expert_used_count", hp->n_expert_used, 1, hp->n_expert, errbuf, errlen))) return e;
         U32("expert_feed_forward_length", false, hp->n_ff / hp->n_expert_used, &hp->n_ff_exp);
@@ -191,6 +202,21 @@ kvs_err kvs_hparams_read(const struct kvs_gguf *g, struct kvs_hparams *hp, char 
         return e;
     }
     if ((e = check_range("vocabulary size", nv, 1, HP_MAX_VOCAB, errbuf, errlen))) return e;
+    /* Every token id must have an embedding row and an output row. */
+    {
+        int64_t ki = kvs_gguf_find_key(g, "tokenizer.ggml.tokens");
+        uint64_t n_tok = ki >= 0 && kvs_gguf_kv_type(g, (size_t)ki) == KVS_GGUF_TYPE_ARRAY ? kvs_gguf_arr_n(g, (size_t)ki)
+                                                                                          : 0;
+        static const char *const rows_of[] = { "token_embd.weight", "output.weight" };
+        for (int i = 0; i < 2; i++) {
+            const struct kvs_gguf_tensor *t = kvs_gguf_find_tensor(g, rows_of[i]);
+            if (t && t->n_dims >= 2 && (n_tok > (uint64_t)t->ne[1] || nv > (uint64_t)t->ne[1])) {
+                set_err(errbuf, errlen, "the tokenizer has %llu tokens (vocabulary %u) but %s has %lld rows",
+                        (unsigned long long)n_tok, nv, rows_of[i], (long long)t->ne[1]);
+                return KVS_ERR_FORMAT;
+            }
+        }
+    }
     hp->n_vocab = nv;
     hp->tied_output = kvs_gguf_find_tensor(g, "output.weight") == NULL;
     return KVS_OK;

@@ -382,6 +382,82 @@ static void test_hparams(void **st)
     kvs_gguf_close(g);
 }
 
+/* A header-only copy of model `name` (every KV, every tensor info; no
+ * tensor data) with one KV changed by `edit`, parsed as a GGUF. *hdr is the
+ * buffer it borrows: free it after closing the result. */
+static struct kvs_gguf *edited_header(const char *name, void (*edit)(struct kvs_gguf_writer *w), uint8_t **hdr_out)
+{
+    struct kvs_gguf *src = open_model(name);
+    struct kvs_gguf_writer *w = kvs_gguf_writer_create();
+    assert_non_null(w);
+    for (size_t i = 0; i < kvs_gguf_n_kv(src); i++)
+        assert_int_equal(kvs_gguf_writer_copy_kv(w, src, i), KVS_OK);
+    for (size_t i = 0; i < kvs_gguf_n_tensors(src); i++) {
+        const struct kvs_gguf_tensor *t = kvs_gguf_tensor(src, i);
+        assert_int_equal(kvs_gguf_writer_add_tensor(w, t->name, t->type, t->n_dims, t->ne, NULL, t->bytes), KVS_OK);
+    }
+    edit(w);
+    uint8_t *hdr = NULL;
+    size_t len = 0;
+    assert_int_equal(kvs_gguf_writer_header(w, &hdr, &len), KVS_OK);
+    struct kvs_gguf *g = NULL;
+    char err[256];
+    kvs_err e = kvs_gguf_parse(hdr, len, kvs_gguf_writer_total_bytes(w), &g, NULL, err, sizeof err);
+    if (e) fail_msg("parse edited %s: %s (%s)", name, kvs_strerror(e), err);
+    *hdr_out = hdr;
+    kvs_gguf_writer_free(w);
+    kvs_gguf_close(src);
+    return g;
+}
+
+static void ed_moe_ff_huge(struct kvs_gguf_writer *w) { kvs_gguf_writer_set_u32(w, "qwen3moe.feed_forward_length", 0x7FFFFFFFu); }
+static void ed_moe_no_experts(struct kvs_gguf_writer *w) { kvs_gguf_writer_set_u32(w, "qwen3moe.expert_count", 0); }
+static void ed_heads_3(struct kvs_gguf_writer *w)
+{
+    kvs_gguf_writer_set_u32(w, "llama.attention.head_count", 3); /* 64 / 3 */
+    kvs_gguf_writer_set_u32(w, "llama.attention.head_count_kv", 3);
+}
+static void ed_tokens_520(struct kvs_gguf_writer *w)
+{
+    static char names[520][8];
+    const char *strs[520];
+    for (int i = 0; i < 520; i++) {
+        snprintf(names[i], sizeof names[i], "t%d", i);
+        strs[i] = names[i];
+    }
+    kvs_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", strs, 520);
+}
+
+/* Hyperparameters that once got through (or gave a misleading error): each
+ * is refused at load with the code and the words that name the problem. */
+static void test_hparams_bad(void **st)
+{
+    (void)st;
+    static const struct {
+        const char *model;
+        void (*edit)(struct kvs_gguf_writer *w);
+        kvs_err want;
+        const char *words;
+    } cases[] = {
+        { "qwen3moe-mixed", ed_moe_ff_huge, KVS_ERR_RANGE, "feed_forward_length = 2147483647 is out of range" },
+        { "qwen3moe-mixed", ed_moe_no_experts, KVS_ERR_FORMAT, "expert_count >= 1" },
+        { "aidreams260K", ed_heads_3, KVS_ERR_FORMAT, "embedding_length 64 is not a multiple of head_count 3" },
+        { "aidreams260K", ed_tokens_520, KVS_ERR_FORMAT, "520 tokens (vocabulary 520) but token_embd.weight has 512 rows" },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        uint8_t *hdr = NULL;
+        struct kvs_gguf *g = edited_header(cases[i].model, cases[i].edit, &hdr);
+        struct kvs_hparams hp;
+        char err[256] = "";
+        kvs_err e = kvs_hparams_read(g, &hp, err, sizeof err);
+        if (e != cases[i].want || !strstr(err, cases[i].words))
+            fail_msg("case %zu: %s (%s), expected %s with '%s'", i, kvs_strerror(e), err, kvs_strerror(cases[i].want),
+                     cases[i].words);
+        kvs_gguf_close(g);
+        free(hdr);
+    }
+}
+
 /* Bad windows and bad batches are errors that change nothing. */
 static void test_errors(void **st)
 {
@@ -461,6 +537,7 @@ int main(void)
     if (getenv("KVS_TEST_FILTER")) cmocka_set_test_filter(getenv("KVS_TEST_FILTER"));
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_hparams),
+        cmocka_unit_test(test_hparams_bad),
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_rewind),
         cmocka_unit_test(test_ref_aidreams260K),
