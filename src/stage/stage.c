@@ -37,7 +37,7 @@ struct seq {
     uint32_t req;
     /* tail */
     struct kvs_sampler *smp;
-    uint32_t max_tokens, generated;
+    uint32_t max_tokens, generated; /* max_tokens: the head's copy too */
     bool ignore_eos;
     uint32_t n_stop;
     int32_t stop[KVS_PROTO_MAX_STOP];
@@ -650,7 +650,25 @@ static void head_token(struct kvs_stage *s, uint32_t req_id, uint32_t pos, struc
         send_simple(s, KVS_FRAME_CANCEL, 0, req, 0);
         return;
     }
+    /* One token per forward, at the position after the head's KV cache: a
+     * duplicate, a stray or a token while one is still waiting to be fed is
+     * a broken (or hostile) tail, not output. */
+    const int32_t want_pos = kvs_model_seq_len(s->m, seq_slot(s, q));
+    if (q->has_next || (int64_t)pos != (int64_t)want_pos) {
+        char msg[160];
+        if (q->has_next)
+            snprintf(msg, sizeof msg, "the tail sent another token (position %u) before the last one was fed", pos);
+        else
+            snprintf(msg, sizeof msg, "the tail sent a token for position %u, expected %d", pos, (int)want_pos);
+        uint32_t req = q->req;
+        KVS_LOGW("request %u: %s", req, msg);
+        head_end(s, q, KVS_ERR_PEER, 0, msg);
+        send_simple(s, KVS_FRAME_CANCEL, 0, req, 0);
+        return;
+    }
     met_add(s, &s->met.tokens_generated, 1);
+    /* The tail ends a request at max_tokens; the head holds it to that too. */
+    if (!tm.finish && q->max_tokens && (uint32_t)q->n_reported + 1 >= q->max_tokens) tm.finish = KVS_FINISH_LENGTH;
     if (tm.finish != KVS_FINISH_STOP) { /* a stop id is not part of the output */
         q->n_reported++;
         struct kvs_stage_event ev = { .kind = KVS_STAGE_EVENT_TOKEN, .req = q->req, .token = tm.token,
@@ -1184,6 +1202,7 @@ static void head_start(struct kvs_stage *s, struct queued *w)
     struct seq *q = seq_alloc(s, w->req);
     q->cb = w->r.on_event;
     q->user = w->r.user;
+    q->max_tokens = (uint32_t)w->r.max_tokens; /* the head holds the tail to it (head_token) */
     if (s->solo) {
         solo_start(s, w, q);
         return;
