@@ -128,7 +128,13 @@ kvs_err kvs_api_parse_request(enum kvs_api_kind kind, const char *body, size_t l
 /* Frees what a parsed request owns and zeroes it. NULL allowed. */
 void kvs_api_request_free(struct kvs_api_request *r);
 
-/* Fills *e (message formatted printf-style). */
+/* Replaces, in place, every byte of s that does not start a valid UTF-8
+ * sequence (RFC 3629; a sequence cut by a fixed-size buffer included) with
+ * '?', so that any text can go into a JSON string. */
+void kvs_api_utf8_fix(char *s);
+
+/* Fills *e (message formatted printf-style, then made valid UTF-8 with
+ * kvs_api_utf8_fix: it may quote client input or be cut at 512 bytes). */
 void kvs_api_error_set(struct kvs_api_error *e, int status, const char *type, const char *param,
                        const char *code, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
 /* {"error":{"message":...,"type":...,"param":...,"code":...}} (compact,

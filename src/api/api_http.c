@@ -153,6 +153,7 @@ static void on_stage_event(void *user, const struct kvs_stage_event *e)
     if (last) {
         j->ended = true;
         snprintf(j->errmsg, sizeof j->errmsg, "%s", e->message ? e->message : kvs_strerror(e->err));
+        kvs_api_utf8_fix(j->errmsg); /* a ring peer's text, cut to the buffer */
         if (j->n == j->cap) j->overflow = true; /* could not queue the end: treated as an error */
     }
     pthread_cond_broadcast(&j->cv);
@@ -322,7 +323,8 @@ static void job_account(struct job *j)
 static enum MHD_Result send_text(struct MHD_Connection *c, unsigned status, const char *ctype, char *body, size_t len)
 {
     if (!body) {
-        static const char oom[] = "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"param\":null,\"code\":null}}";
+        static const char oom[] = "{\"error\":{\"message\":\"the response could not be built (out of memory)\","
+                                  "\"type\":\"server_error\",\"param\":null,\"code\":null}}";
         struct MHD_Response *r = MHD_create_response_from_buffer(sizeof oom - 1, (void *)oom, MHD_RESPMEM_PERSISTENT);
         if (!r) return MHD_NO;
         MHD_add_response_header(r, "Content-Type", "application/json");
@@ -583,7 +585,7 @@ static enum MHD_Result handle_generate(struct kvs_api *a, struct MHD_Connection 
             snprintf(msg, sizeof msg, "the ring cannot close: %s", why);
         else
             snprintf(msg, sizeof msg, "the ring is not ready: a stage is down or still connecting; retry later");
-        kvs_api_error_set(&err, 503, "server_error", NULL, "ring_unavailable", msg);
+        kvs_api_error_set(&err, 503, "server_error", NULL, "ring_unavailable", "%s", msg);
         goto reject;
     }
 
@@ -709,6 +711,7 @@ static enum MHD_Result handle_health(struct kvs_api *a, struct MHD_Connection *c
     char why[256] = "";
     if (!ok && (kvs_stage_ring_error(a->head, why, sizeof why) == KVS_OK || !why[0]))
         snprintf(why, sizeof why, "the ring is not whole");
+    kvs_api_utf8_fix(why); /* may quote a peer's refusal, cut to the buffer */
     json_t *o = ok ? json_pack("{s:s}", "status", "ok")
                    : json_pack("{s:s, s:b, s:b, s:s}", "status", "unavailable", "in_link", m.in_up, "out_link",
                                m.out_up, "reason", why);
@@ -931,6 +934,7 @@ kvs_err kvs_api_start(struct kvs_stage *head, const struct kvs_api_params *p, st
         model_id_from_path(p->model_path, a->model, sizeof a->model);
     else
         snprintf(a->model, sizeof a->model, "kvasir");
+    kvs_api_utf8_fix(a->model); /* the name appears in every response */
 
     kvs_err e = KVS_OK;
     if (p->model_path) {

@@ -11,6 +11,36 @@
 
 #include <jansson.h>
 
+/* Length of the valid UTF-8 sequence at s (RFC 3629: no overlongs, no
+ * surrogates, <= U+10FFFF), or 0 if it is not one (a cut sequence included). */
+static size_t utf8_seq_len(const unsigned char *s)
+{
+    unsigned c = s[0];
+    if (c < 0x80) return 1;
+    size_t n = c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
+    if (!n) return 0;
+    for (size_t i = 1; i < n; i++)
+        if ((s[i] & 0xC0) != 0x80) return 0; /* also stops at the NUL of a cut sequence */
+    if (c == 0xE0 && s[1] < 0xA0) return 0; /* overlong */
+    if (c == 0xED && s[1] >= 0xA0) return 0; /* surrogate */
+    if (c == 0xF0 && s[1] < 0x90) return 0; /* overlong */
+    if (c == 0xF4 && s[1] >= 0x90) return 0; /* > U+10FFFF */
+    return n;
+}
+
+void kvs_api_utf8_fix(char *s)
+{
+    unsigned char *p = (unsigned char *)s;
+    while (*p) {
+        size_t n = utf8_seq_len(p);
+        if (n) {
+            p += n;
+        } else {
+            *p++ = '?';
+        }
+    }
+}
+
 void kvs_api_error_set(struct kvs_api_error *e, int status, const char *type, const char *param,
                        const char *code, const char *fmt, ...)
 {
@@ -22,6 +52,7 @@ void kvs_api_error_set(struct kvs_api_error *e, int status, const char *type, co
     va_start(ap, fmt);
     vsnprintf(e->message, sizeof e->message, fmt, ap);
     va_end(ap);
+    kvs_api_utf8_fix(e->message); /* a cut (or client-sent) byte sequence must not break the JSON */
 }
 
 static json_t *str_or_null(const char *s)

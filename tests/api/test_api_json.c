@@ -221,6 +221,45 @@ static void test_error_json(void **state)
     free(s);
 }
 
+/* kvs_api_utf8_fix: valid text is untouched, every byte that does not start
+ * a valid sequence becomes '?' (cut sequences, stray continuation bytes,
+ * overlongs, surrogates, > U+10FFFF, 0xFE/0xFF). */
+static void test_utf8_fix(void **state)
+{
+    (void)state;
+    static const struct { const char *in, *out; } cases[] = {
+        { "plain ascii", "plain ascii" },
+        { "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80", "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80" },
+        { "cut \xc3", "cut ?" },                 /* a 2-byte sequence cut by a buffer */
+        { "cut \xe2\x82", "cut ??" },
+        { "cut \xf0\x9f\x98", "cut ???" },
+        { "\xff\xfe", "??" },
+        { "\x80x", "?x" },                       /* a stray continuation byte */
+        { "\xc0\xaf", "??" },                   /* overlong '/' */
+        { "\xe0\x80\xaf", "???" },             /* overlong */
+        { "\xed\xa0\x80", "???" },             /* surrogate U+D800 */
+        { "\xf4\x90\x80\x80", "????" },       /* U+110000 */
+        { "\xc3\xa9\xc3", "\xc3\xa9?" },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char buf[64];
+        snprintf(buf, sizeof buf, "%s", cases[i].in);
+        kvs_api_utf8_fix(buf);
+        if (strcmp(buf, cases[i].out)) fail_msg("case %zu: got '%s', expected '%s'", i, buf, cases[i].out);
+    }
+    /* An error message cut inside a character still gives JSON (was NULL: a 500). */
+    char big[2048];
+    size_t n = 0;
+    while (n + 2 < sizeof big - 1) { big[n++] = (char)0xC3; big[n++] = (char)0xA9; }
+    big[n] = '\0';
+    struct kvs_api_error e;
+    kvs_api_error_set(&e, 400, "invalid_request_error", NULL, NULL, "%s", big); /* 255 bytes: cut in a character */
+    char *js = kvs_api_error_json(&e);
+    assert_non_null(js);
+    assert_non_null(strstr(js, "\xc3\xa9?\""));
+    free(js);
+}
+
 static void test_response_json(void **state)
 {
     (void)state;
@@ -441,7 +480,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bad_requests),   cmocka_unit_test(test_null_body),
         cmocka_unit_test(test_completion_defaults), cmocka_unit_test(test_completion_fields),
-        cmocka_unit_test(test_chat_fields),    cmocka_unit_test(test_error_json),
+        cmocka_unit_test(test_chat_fields),    cmocka_unit_test(test_error_json), cmocka_unit_test(test_utf8_fix),
         cmocka_unit_test(test_response_json),  cmocka_unit_test(test_chunk_json),
         cmocka_unit_test(test_stop_scan),      cmocka_unit_test(test_metrics_render),
         cmocka_unit_test(test_buf_limit),   cmocka_unit_test(test_buf_printf_long),   cmocka_unit_test(test_metrics_render_ring),
