@@ -18,6 +18,7 @@
 #include "cli/cli.h"
 
 #include <errno.h>
+#include <sys/statvfs.h>
 #include <stdarg.h>
 #include <inttypes.h>
 #include <limits.h>
@@ -567,6 +568,24 @@ static kvs_err synth_write(const struct synth_cfg *c, char *err, size_t errlen)
         e = KVS_ERR_ARG;
         set_err(err, errlen, "output path too long");
         goto fail;
+    }
+    {
+        /* Refuse before writing what the output's filesystem cannot hold
+         * (shapes in range can still multiply to terabytes). */
+        const uint64_t need = kvs_gguf_writer_total_bytes(w);
+        char dir[4096];
+        snprintf(dir, sizeof dir, "%s", c->out);
+        char *slash = strrchr(dir, '/');
+        if (!slash) snprintf(dir, sizeof dir, ".");
+        else if (slash == dir) dir[1] = '\0';
+        else *slash = '\0';
+        struct statvfs vf;
+        if (statvfs(dir, &vf) == 0 && need > (uint64_t)vf.f_bavail * (uint64_t)vf.f_frsize) {
+            e = KVS_ERR_NOMEM;
+            set_err(err, errlen, "the model would be %" PRIu64 " bytes but %s has %" PRIu64 " bytes free", need, dir,
+                    (uint64_t)vf.f_bavail * (uint64_t)vf.f_frsize);
+            goto fail;
+        }
     }
     f = fopen(tmp, "wb");
     if (!f) {

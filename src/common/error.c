@@ -22,6 +22,7 @@ const char *kvs_strerror(kvs_err err)
     case KVS_ERR_FULL: return "no free slot";
     case KVS_ERR_INFEASIBLE: return "infeasible";
     case KVS_ERR_INTERNAL: return "internal error";
+    case KVS_ERR_NUMERIC: return "non-finite values (NaN or infinity) in the result";
     case KVS_ERR_COUNT_: break;
     }
     return "unknown error";

@@ -24,6 +24,7 @@ typedef enum kvs_err {
     KVS_ERR_FULL,         /* no free slot (KV cache, sequences, context) */
     KVS_ERR_INFEASIBLE,   /* planner: no placement satisfies the constraints */
     KVS_ERR_INTERNAL,     /* invariant broken: a bug */
+    KVS_ERR_NUMERIC,      /* NaN or infinity in a computed result (corrupt weights or input) */
     KVS_ERR_COUNT_
 } kvs_err;
 

@@ -100,7 +100,9 @@ struct kvs_batch {
  *    the window's last block).
  * Errors: KVS_ERR_RANGE (position past n_ctx, seq out of range, token id out
  * of vocabulary, n_tokens > n_batch, positions that do not continue the
- * sequence), KVS_ERR_ARG (missing inputs). On error nothing has changed.
+ * sequence), KVS_ERR_ARG (missing inputs): then nothing has changed; and
+ * KVS_ERR_NUMERIC (a NaN or infinity in out: corrupt weights or boundary),
+ * after the KV cache took the batch's positions (rewind or clear them).
  * Not thread-safe: one forward at a time per model (it owns the pool). */
 kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float *out);
 

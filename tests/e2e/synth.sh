@@ -130,4 +130,24 @@ set +e
 [ $? -eq 2 ] || { echo "FAIL: bad number accepted"; exit 1; }
 set -e
 [ ! -e "$tmp/x.gguf" ] || { echo "FAIL: a file was written on error"; exit 1; }
+# a model larger than the output's filesystem is refused before a byte is written
+set +e
+"$KVASIR_BIN" gguf synth --arch llama --n-embd 65536 --n-block 1000 --type f32 --seed 1 -o "$tmp/huge.gguf" 2>"$tmp/err"
+rc=$?
+set -e
+[ "$rc" = 1 ] && grep -q 'bytes free' "$tmp/err" || { echo "FAIL: 220 TB synth: rc $rc, $(cat "$tmp/err")"; exit 1; }
+[ ! -e "$tmp/huge.gguf" ] && [ ! -e "$tmp/huge.gguf.tmp" ] || { echo "FAIL: the huge synth left a file"; exit 1; }
+
+# NaN weights: run, eval and a ring fail with a clear error instead of
+# printing token 0 / "nan" (the last 4 KiB of a small F32 model set to NaN).
+"$KVASIR_BIN" gguf synth --arch llama --n-embd 64 --n-block 2 --type f32 --seed 3 -o "$tmp/nan.gguf" 2>/dev/null
+python3 -c "import os,struct,sys; p=sys.argv[1]; f=open(p,'r+b'); f.seek(os.path.getsize(p)-4096); f.write(struct.pack('<f',float('nan'))*1024)" "$tmp/nan.gguf"
+for cmd in "run -m $tmp/nan.gguf -p hi -n 3 --temp 0" "eval -m $tmp/nan.gguf --tokens 1,2,3" "run --ring 2 -m $tmp/nan.gguf -p hi -n 3 --temp 0"; do
+    set +e
+    # shellcheck disable=SC2086
+    out=$("$KVASIR_BIN" $cmd 2>"$tmp/err"); rc=$?
+    set -e
+    [ "$rc" != 0 ] && [ -z "$out" ] && grep -q 'NaN or infinity' "$tmp/err" ||
+        { echo "FAIL: NaN model, $cmd: rc $rc, out '$out', $(tail -2 "$tmp/err")"; exit 1; }
+done
 echo "synth: OK"
