@@ -315,13 +315,17 @@ int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o
     pthread_join(th, NULL);
     struct kvs_stage_metrics m;
     kvs_stage_metrics(head, &m);
-    fprintf(stderr, "ring: %llu requests done, %llu failed, %llu tokens", (unsigned long long)m.requests_done,
-            (unsigned long long)m.requests_failed, (unsigned long long)m.tokens_generated);
+    /* one write: the stage children log on the same stderr */
+    char line[512], speed[128] = "";
     if (t_serve > 0)
-        fprintf(stderr, " in %.3f s (%.1f tokens/s, prompts included)", (double)t_serve / 1e3,
-                (double)m.tokens_generated * 1e3 / (double)t_serve);
-    fprintf(stderr, "; the head's own blocks: %llu forward calls in %.1f ms\n", (unsigned long long)m.forward_calls,
-            m.forward_ms);
+        snprintf(speed, sizeof speed, " in %.3f s (%.1f tokens/s, prompts included)", (double)t_serve / 1e3,
+                 (double)m.tokens_generated * 1e3 / (double)t_serve);
+    snprintf(line, sizeof line,
+             "ring: %llu requests done, %llu failed, %llu tokens%s; the head's own blocks: %llu forward calls in "
+             "%.1f ms\n",
+             (unsigned long long)m.requests_done, (unsigned long long)m.requests_failed,
+             (unsigned long long)m.tokens_generated, speed, (unsigned long long)m.forward_calls, m.forward_ms);
+    fputs(line, stderr);
     pthread_mutex_destroy(&c.mu);
     pthread_cond_destroy(&c.cv);
     return rc;
