@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "gguf/gguf.h"
+#include "model/model.h"
 #include "cli/cli_ring.h"
 #include "common/log.h"
 #include "plan/plan.h"
@@ -179,6 +181,19 @@ int kvs_cli_stage(int argc, char **argv)
             free(man);
             return 2;
         }
+        /* The manifest was planned for a model of n_block blocks: a file with
+         * another count is the wrong model (or a stale manifest). */
+        struct kvs_gguf *g = NULL;
+        struct kvs_hparams hp;
+        if (kvs_gguf_open(p.model_path, &g, err, sizeof err) == KVS_OK && kvs_hparams_read(g, &hp, err, sizeof err) == KVS_OK &&
+            hp.n_block != man->n_block) {
+            fprintf(stderr, "kvasir stage: %s plans %u blocks but %s has %u: a manifest of another model?\n", manifest,
+                    man->n_block, p.model_path, hp.n_block);
+            kvs_gguf_close(g);
+            free(man);
+            return 2;
+        }
+        kvs_gguf_close(g);
     } else {
         if (!p.model_path || !window || !p.listen) {
             fprintf(stderr, "kvasir stage: -m, --window, --listen and --next are required (or --manifest/--rank; "

@@ -69,6 +69,14 @@ done
 "$KVASIR_BIN" plan -m "$model" --devices "$dir/devices.json" >"$dir/stdout.json" 2>"$dir/stdout.err"
 cmp -s "$dir/stdout.json" "$dir/ring.json" || { echo "plan's stdout is not the manifest:"; head -3 "$dir/stdout.json"; exit 1; }
 grep -q '^predicted: ' "$dir/stdout.err" || { echo "no table on stderr without -o"; exit 1; }
+# A manifest planned for another block count is refused at once, naming both.
+# (n_block 5, the last window [3,5): a consistent manifest of a 5-block model)
+python3 -c 'import json,sys; m=json.load(open(sys.argv[1])); m["model"]["n_block"]=5; m["ranks"][-1]["window"]=[3,5]; json.dump(m,open(sys.argv[2],"w"))' \
+    "$dir/ring.json" "$dir/nb5.json"
+set +e
+timeout 10 "$KVASIR_BIN" stage --manifest "$dir/nb5.json" --rank 0 2>"$dir/err"; rc=$?
+set -e
+[ "$rc" = 2 ] && grep -q 'plans 5 blocks but .* has 4' "$dir/err" || { echo "n_block 5 manifest: rc $rc, $(cat "$dir/err")"; exit 1; }
 m=$(tr -d ' \n' <"$dir/ring.json")
 case "$m" in '{"kvasir_manifest":1,'*) ;; *) echo "manifest does not start with the version"; exit 1 ;; esac
 for w in '"window":[0,1]' '"window":[1,2]' '"window":[2,3]' '"window":[3,4]' '"n_block":4' \
