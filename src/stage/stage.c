@@ -1632,6 +1632,17 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
         e = KVS_ERR_ARG;
         goto fail;
     }
+    if (!s->solo) { /* a malformed next is a start-up error, not 20 silent retries */
+        char host[256] = "", why[200] = "";
+        uint16_t port = 0;
+        if (kvs_addr_parse(s->next_addr, host, sizeof host, &port, why, sizeof why) == KVS_OK)
+            snprintf(why, sizeof why, "%s", !host[0] ? "a HOST is needed" : !port ? "port 0 cannot be dialed" : "");
+        if (why[0]) {
+            snprintf(err, sizeof err, "next address '%.200s': %s", s->next_addr, why);
+            e = KVS_ERR_ARG;
+            goto fail;
+        }
+    }
     if (s->is_head) {
         if ((e = kvs_tokenizer_load(s->g, &s->tok, err, sizeof err))) goto fail;
         int32_t nv = kvs_tokenizer_n_vocab(s->tok);
