@@ -26,7 +26,7 @@ int kvs_cli_plan(int argc, char **argv);     /* rank manifest from devices */
 int kvs_cli_bench(int argc, char **argv);    /* bench --probe */
 
 /* Option values. kvs_cli_parse_long reads a whole decimal integer in [lo, hi];
- * kvs_cli_parse_float a whole float that is not NaN. Both return 0 and set *out,
+ * kvs_cli_parse_float a whole finite float (not NaN, not infinity). Both return 0 and set *out,
  * or return -1 (empty, trailing characters, out of range) and leave *out as it was. */
 int kvs_cli_parse_long(const char *s, long lo, long hi, long *out);
 int kvs_cli_parse_float(const char *s, float *out);

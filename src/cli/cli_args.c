@@ -1,5 +1,6 @@
 /* Number arguments shared by the subcommands (see cli.h). */
 #include <errno.h>
+#include <math.h>
 #include <string.h>
 #include <stdlib.h>
 #include <sys/random.h>
@@ -26,7 +27,7 @@ int kvs_cli_parse_float(const char *s, float *out)
     char *end;
     errno = 0;
     float v = strtof(s, &end);
-    if (errno || end == s || *end || v != v) return -1;
+    if (errno || end == s || *end || !isfinite(v)) return -1;
     *out = v;
     return 0;
 }

@@ -363,7 +363,7 @@ bool kvs_ring_client_opt(const char *a, const char *v, struct kvs_ring_client_op
         co->sp.top_k = (int32_t)lv;
     } else if (!strcmp(a, "--top-p")) *bad = kvs_cli_parse_float(v, &co->sp.top_p);
     else if (!strcmp(a, "--min-p")) *bad = kvs_cli_parse_float(v, &co->sp.min_p);
-    else if (!strcmp(a, "--repeat-penalty")) *bad = kvs_cli_parse_float(v, &co->sp.repeat_penalty);
+    else if (!strcmp(a, "--repeat-penalty")) *bad = kvs_cli_parse_float(v, &co->sp.repeat_penalty) || !(co->sp.repeat_penalty > 0.0f);
     else if (!strcmp(a, "--seed")) {
         *bad = kvs_cli_parse_seed(v, &co->sp.seed);
     } else if (!strcmp(a, "--parallel")) {

@@ -89,7 +89,7 @@ static int run_parse(int argc, char **argv, struct run_opts *o)
         else if (!strcmp(a, "--min-p"))
             bad = kvs_cli_parse_float(v, &o->sp.min_p);
         else if (!strcmp(a, "--repeat-penalty"))
-            bad = kvs_cli_parse_float(v, &o->sp.repeat_penalty);
+            bad = kvs_cli_parse_float(v, &o->sp.repeat_penalty) || !(o->sp.repeat_penalty > 0.0f);
         else if (!strcmp(a, "--seed")) {
             bad = kvs_cli_parse_seed(v, &o->sp.seed);
         } else if (!strcmp(a, "--threads") || !strcmp(a, "-t"))

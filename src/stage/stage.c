@@ -507,8 +507,15 @@ static void on_request_start(struct kvs_stage *s, const struct kvs_frame *f)
         struct kvs_sampler_params sp = { .temp = rp.temp, .top_k = rp.top_k, .top_p = rp.top_p, .min_p = rp.min_p,
                                          .repeat_penalty = rp.repeat_penalty, .repeat_last_n = rp.repeat_last_n,
                                          .seed = rp.seed };
-        if (kvs_sampler_create(&sp, (int32_t)s->n_vocab, &q->smp)) {
-            stage_fail_req(s, q, req, KVS_ERR_NOMEM, "cannot create a sampler");
+        kvs_err se = kvs_sampler_create(&sp, (int32_t)s->n_vocab, &q->smp);
+        if (se) {
+            char smsg[256];
+            snprintf(smsg, sizeof smsg,
+                     "sampling parameters refused (temp %g, top_p %g, min_p %g, repeat_penalty %g, "
+                     "repeat_last_n %d): %s",
+                     (double)sp.temp, (double)sp.top_p, (double)sp.min_p, (double)sp.repeat_penalty,
+                     (int)sp.repeat_last_n, kvs_strerror(se));
+            stage_fail_req(s, q, req, se, smsg);
             return;
         }
         for (uint32_t i = 0; i < f->h.n_tokens; i++) kvs_sampler_accept(q->smp, kvs_proto_get_i32(prompt + 4 * i));
@@ -1164,8 +1171,9 @@ static void in_read(struct kvs_stage *s)
 static void solo_start(struct kvs_stage *s, struct queued *w, struct seq *q)
 {
     const struct kvs_sampler_params *sp = &w->r.sampling;
-    if (kvs_sampler_create(sp, (int32_t)s->n_vocab, &q->smp)) {
-        head_end(s, q, KVS_ERR_NOMEM, 0, "cannot create a sampler");
+    kvs_err se = kvs_sampler_create(sp, (int32_t)s->n_vocab, &q->smp);
+    if (se) {
+        head_end(s, q, se, 0, se == KVS_ERR_NOMEM ? "cannot create a sampler" : "sampling parameters refused");
         return;
     }
     uint32_t n = (uint32_t)w->r.n_prompt;
