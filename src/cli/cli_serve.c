@@ -38,6 +38,7 @@ static void serve_usage(FILE *f)
                "  --seqs S             sequence slots per stage (default 4)\n"
                "  --boundary f16|f32   boundary precision on the links (default f16)\n"
                "  --max-body BYTES     request body cap (default 1048576)\n"
+               "  --max-connections N  concurrent HTTP connections (default 64; more are refused)\n"
                "  --step-delay MS      test hook: sleep before every forward on every stage\n");
 }
 
@@ -51,7 +52,7 @@ static void *serve_loop(void *arg)
 int kvs_cli_serve(int argc, char **argv)
 {
     const char *model = NULL, *host = "127.0.0.1", *name = NULL;
-    long ring = 1, port = 8080, threads = 2, n_ctx = 0, seqs = 4, max_body = 1 << 20, delay = 0;
+    long ring = 1, port = 8080, threads = 2, n_ctx = 0, seqs = 4, max_body = 1 << 20, delay = 0, max_conn = 64;
     bool f32 = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -75,6 +76,7 @@ int kvs_cli_serve(int argc, char **argv)
         else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) bad = kvs_cli_parse_long(v, 1, 1 << 24, &n_ctx);
         else if (!strcmp(a, "--seqs")) bad = kvs_cli_parse_long(v, 1, 1024, &seqs);
         else if (!strcmp(a, "--max-body")) bad = kvs_cli_parse_long(v, 1024, 1L << 30, &max_body);
+        else if (!strcmp(a, "--max-connections")) bad = kvs_cli_parse_long(v, 1, 65536, &max_conn);
         else if (!strcmp(a, "--step-delay")) bad = kvs_cli_parse_long(v, 0, 10000, &delay);
         else if (!strcmp(a, "--boundary")) {
             bad = strcmp(v, "f16") && strcmp(v, "f32");
@@ -139,6 +141,7 @@ int kvs_cli_serve(int argc, char **argv)
     ap.model_path = model;
     ap.model_name = name;
     ap.max_body = (size_t)max_body;
+    ap.max_connections = (int32_t)max_conn;
     if ((e = kvs_api_start(head, &ap, &api, err, sizeof err))) {
         fprintf(stderr, "kvasir serve: API: %s (%s)\n", kvs_strerror(e), err);
         goto done;

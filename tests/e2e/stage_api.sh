@@ -69,3 +69,23 @@ case "$out" in
   *) echo "FAIL: serve without --ring: $out $(cat "$T/serve.err")"; exit 1 ;;
 esac
 grep -q 'serve: one process (the whole model)' "$T/serve.err" || { echo "FAIL: serve log: $(cat "$T/serve.err")"; exit 1; }
+
+# --max-connections: with 1 slot held by an idle client, another connection is
+# refused; once it closes, requests are served again.
+SB=$(free_port)
+"$BIN" serve -m "$M" --port $SB --max-connections 1 2>/dev/null & pids+=($!)
+for _ in $(seq 100); do
+  [ "$(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:$SB/health)" = 200 ] && break
+  sleep 0.1
+done
+exec 7<>/dev/tcp/127.0.0.1/$SB
+sleep 0.3
+code=$(curl -s -m 3 -o /dev/null -w '%{http_code}' http://127.0.0.1:$SB/health || true)
+[ "$code" = 000 ] || { echo "FAIL: a second connection past --max-connections 1 got $code"; exit 1; }
+exec 7>&-
+for _ in $(seq 50); do
+  [ "$(curl -s -m 3 -o /dev/null -w '%{http_code}' http://127.0.0.1:$SB/health)" = 200 ] && break
+  sleep 0.1
+done
+[ "$(curl -s -m 3 -o /dev/null -w '%{http_code}' http://127.0.0.1:$SB/health)" = 200 ] || { echo "FAIL: not served after the idle client left"; exit 1; }
+echo "serve --max-connections: OK"
