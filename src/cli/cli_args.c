@@ -52,7 +52,7 @@ int kvs_cli_parse_seed(const char *s, uint64_t *out)
     char *end;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *end || s[0] == '-') return -1;
+    if (errno || end == s || *end || s[0] < '0' || s[0] > '9') return -1; /* strtoull takes " -5" */
     *out = (uint64_t)v;
     return 0;
 }

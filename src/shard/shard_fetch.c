@@ -584,11 +584,13 @@ static kvs_err write_all_at(struct fetch *f, int fd, const uint8_t *p, size_t n,
 }
 
 /* True if out_path already holds this window of this model, whole: it opens
- * as a shard of exactly [begin, end) whose source fingerprint is the remote
- * model's, its tensors are the window's (names, sizes, offsets), their bytes
- * hash to the shard's recorded tensors digest and, with an index, each to
- * the index's SHA-256. A re-run of a finished fetch then moves no data. */
-static bool output_complete(struct fetch *f, const struct kvs_gguf *remote, uint64_t total)
+ * as a shard of exactly [begin, end), its tensors are the window's (names,
+ * sizes, offsets), each hashes to the index's SHA-256 (when there is an
+ * index), and its header bytes equal the header this fetch writes for those
+ * tensor digests (the source's metadata, the window keys and the tensors
+ * digest: any change to the metadata or the data is caught). A re-run of a
+ * finished fetch then moves no data. */
+static bool output_complete(struct fetch *f, const struct kvs_gguf *remote, const size_t *idx, uint64_t total)
 {
     struct stat sb;
     if (stat(f->p->out_path, &sb) != 0 || !S_ISREG(sb.st_mode) || (uint64_t)sb.st_size != total)
@@ -599,34 +601,40 @@ static bool output_complete(struct fetch *f, const struct kvs_gguf *remote, uint
         return false;
     bool ok = false;
     uint32_t b, e;
-    uint8_t fp_o[32], fp_r[32], dig[32];
-    char hex[65];
-    if (!kvs_shard_window(o, &b, &e) || b != f->p->begin || e != f->p->end ||
-        kvs_shard_check(o, b, e, msg, sizeof msg) != KVS_OK || kvs_gguf_n_tensors(o) != f->nt ||
-        kvs_gguf_fingerprint(o, fp_o) != KVS_OK || kvs_gguf_fingerprint(remote, fp_r) != KVS_OK ||
-        memcmp(fp_o, fp_r, 32) != 0)
-        goto done;
-    const char *want = NULL;
+    uint8_t(*sha)[32] = NULL;
+    struct kvs_gguf_writer *w = NULL;
+    uint8_t *want = NULL, *have = NULL;
     size_t want_len = 0;
-    if (kvs_gguf_get_str(o, KVS_SHARD_KEY_TENSORS_SHA256, &want, &want_len) != KVS_OK || want_len != 64)
+    int fd = -1;
+    if (!kvs_shard_window(o, &b, &e) || b != f->p->begin || e != f->p->end || kvs_gguf_n_tensors(o) != f->nt)
         goto done;
-    uint8_t(*sha)[32] = calloc(f->nt ? f->nt : 1, 32);
+    sha = calloc(f->nt ? f->nt : 1, 32);
     if (!sha)
         goto done;
-    bool same = true;
-    for (size_t i = 0; i < f->nt && same; i++) {
+    for (size_t i = 0; i < f->nt; i++) {
         const struct kvs_gguf_tensor *t = kvs_gguf_tensor(o, i);
-        same = !strcmp(t->name, f->t[i].name) && t->bytes == f->t[i].bytes &&
-               kvs_gguf_data_offset(o) + t->offset == f->t[i].dst &&
-               kvs_shard_sha256(t->bytes ? t->data : "", t->bytes, sha[i]) == KVS_OK &&
-               (!f->t[i].ix || !memcmp(f->t[i].ix->sha256, sha[i], 32));
+        if (strcmp(t->name, f->t[i].name) || t->bytes != f->t[i].bytes ||
+            kvs_gguf_data_offset(o) + t->offset != f->t[i].dst ||
+            kvs_shard_sha256(t->bytes ? t->data : "", t->bytes, sha[i]) != KVS_OK ||
+            (f->t[i].ix && memcmp(f->t[i].ix->sha256, sha[i], 32)))
+            goto done;
     }
-    if (same && kvs_shard_sha256(sha, 32 * f->nt, dig) == KVS_OK) {
-        kvs_shard_hex(dig, hex);
-        ok = !memcmp(hex, want, 64);
-    }
-    free(sha);
+    if (kvs_shard__writer(remote, f->p->begin, f->p->end, idx, f->nt, (const uint8_t(*)[32])sha, false, &w, msg,
+                          sizeof msg) != KVS_OK ||
+        kvs_gguf_writer_header(w, &want, &want_len) != KVS_OK || want_len > total)
+        goto done;
+    have = malloc(want_len ? want_len : 1);
+    fd = open(f->p->out_path, O_RDONLY | O_CLOEXEC);
+    if (!have || fd < 0 || pread(fd, have, want_len, 0) != (ssize_t)want_len)
+        goto done;
+    ok = memcmp(have, want, want_len) == 0;
 done:
+    if (fd >= 0)
+        close(fd);
+    free(have);
+    free(want);
+    kvs_gguf_writer_free(w);
+    free(sha);
     kvs_gguf_close(o);
     return ok;
 }
@@ -713,9 +721,9 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
 
     /* Work files: resume if the state matches, else start afresh. */
     uint64_t total = kvs_gguf_writer_total_bytes(w);
-    if (output_complete(&f, g, total)) {
-        KVS_LOGI("fetch: %s already holds window [%u,%u) of this model (tensors digest%s checked): nothing to "
-                 "download", p->out_path, p->begin, p->end, p->index ? " and index" : "");
+    if (output_complete(&f, g, idx, total)) {
+        KVS_LOGI("fetch: %s already holds window [%u,%u) of this model (header and tensor digests%s checked): "
+                 "nothing to download", p->out_path, p->begin, p->end, p->index ? " and index" : "");
         st->n_resumed = st->n_tensors;
         st->skipped_bytes = st->window_bytes;
         st->verified = p->index != NULL;

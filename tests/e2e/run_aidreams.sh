@@ -38,8 +38,10 @@ cmp -s "$tmpd/a" "$tmpd/b" || { echo "--seed $seed did not reproduce the text"; 
 grep -q 'sampling seed [0-9]' "$tmpd/c.err" || { echo "--seed -1: no seed logged"; exit 1; }
 set +e
 "$KVASIR_BIN" run -m "$model" -p x --seed -2 >/dev/null 2>&1; rc=$?
-set -e
 [ "$rc" = 2 ] || { echo "--seed -2: rc $rc, expected 2"; exit 1; }
+"$KVASIR_BIN" run -m "$model" -p x --seed " -5" >/dev/null 2>&1; rc=$?
+set -e
+[ "$rc" = 2 ] || { echo "--seed \" -5\": rc $rc, expected 2"; exit 1; }
 # Ring-only options without --ring say what is missing.
 set +e
 "$KVASIR_BIN" run -m "$model" -p x --boundary f32 >/dev/null 2>"$tmpd/r.err"; rc=$?

@@ -156,7 +156,19 @@ printf 'X' | dd of="$T/got.gguf" bs=1 seek=$(( $(stat -c %s "$T/got.gguf") - 100
 out=$("$K" shard fetch --url "$BASE/llama-f32.gguf" --window 0:4 -o "$T/got.gguf" --progress none)
 (( $(field data_bytes "$out") >= wb )) || fail "a damaged output was not fetched again: $out"
 cmp "$T/got.gguf" "$T/ext.gguf" || fail "re-fetched shard differs"
-echo "ok: rerun of a finished fetch: data_bytes 0; a damaged output is fetched again"
+# same-size damage to the metadata (rope.freq_base := 1.0) is caught too
+python3 - "$T/got.gguf" <<'PY'
+import struct, sys
+p = sys.argv[1]; b = bytearray(open(p, 'rb').read())
+k = b.find(b'rope.freq_base'); assert k > 0
+off = k + len(b'rope.freq_base') + 4  # after the key: u32 type, then the f32 value
+b[off:off + 4] = struct.pack('<f', 1.0); open(p, 'wb').write(b)
+PY
+cmp -s "$T/got.gguf" "$T/ext.gguf" && fail "the metadata edit changed nothing"
+out=$("$K" shard fetch --url "$BASE/llama-f32.gguf" --window 0:4 -o "$T/got.gguf" --progress none)
+(( $(field data_bytes "$out") >= wb )) || fail "a shard with edited metadata was taken as complete: $out"
+cmp "$T/got.gguf" "$T/ext.gguf" || fail "re-fetched shard (after a metadata edit) differs"
+echo "ok: rerun of a finished fetch: data_bytes 0; a damaged output (data or metadata) is fetched again"
 
 # source changes mid-fetch (ETag) -> error, no file
 mkdir -p "$T/src"
