@@ -604,6 +604,42 @@ static void decode_rows_done(struct kvs_stage *s, int32_t n, bool sample_here)
     send_built(s, &h);
 }
 
+/* After a batched forward that reported KVS_ERR_NUMERIC: fails only the rows
+ * whose output (n_vocab logits when `logits`, else n_embd boundary values)
+ * has a NaN or infinity, and packs the other rows (b_req, b_pos, b_seq and
+ * their rows of y) to the front. One sequence pushed out of range must not
+ * fail the requests batched with it. Returns the rows left. */
+static int32_t keep_finite_rows(struct kvs_stage *s, int32_t n, bool logits, const char *what)
+{
+    const size_t w = logits ? (size_t)s->n_vocab : (size_t)s->n_embd;
+    int32_t kept = 0;
+    for (int32_t k = 0; k < n; k++) {
+        const float *row = s->y + (size_t)k * w;
+        float acc = 0.0f;
+        for (size_t i = 0; i < w; i++) acc += row[i] * 0.0f;
+        if (acc != 0.0f) {
+            char msg[160];
+            snprintf(msg, sizeof msg, "%s: %s", what, kvs_strerror(KVS_ERR_NUMERIC));
+            struct seq *q = seq_find(s, s->b_req[k]);
+            if (s->is_head) {
+                if (q) head_end(s, q, KVS_ERR_NUMERIC, 0, msg);
+                send_simple(s, KVS_FRAME_CANCEL, 0, s->b_req[k], 0);
+            } else {
+                stage_fail_req(s, q, s->b_req[k], KVS_ERR_NUMERIC, msg);
+            }
+            continue;
+        }
+        if (kept != k) {
+            s->b_req[kept] = s->b_req[k];
+            s->b_pos[kept] = s->b_pos[k];
+            s->b_seq[kept] = s->b_seq[k];
+            memmove(s->y + (size_t)kept * w, row, w * sizeof *row);
+        }
+        kept++;
+    }
+    return kept;
+}
+
 static void on_decode(struct kvs_stage *s, const struct kvs_frame *f)
 {
     bool f32 = f->h.flags & KVS_FRAME_FLAG_F32;
@@ -635,7 +671,9 @@ static void on_decode(struct kvs_stage *s, const struct kvs_frame *f)
     if (n == 0) return;
     struct kvs_batch b = { .n_tokens = n, .embd = s->x, .seq = s->b_seq, .pos = s->b_pos, .logits = s->b_logits };
     kvs_err e = forward(s, &b, s->y);
-    if (e) {
+    if (e == KVS_ERR_NUMERIC) {
+        if ((n = keep_finite_rows(s, n, s->is_tail, "forward on DECODE")) == 0) return;
+    } else if (e) {
         char msg[160];
         snprintf(msg, sizeof msg, "forward on DECODE failed: %s", kvs_strerror(e));
         for (int32_t k = 0; k < n; k++) stage_fail_req(s, seq_find(s, s->b_req[k]), s->b_req[k], e, msg);
@@ -1385,7 +1423,9 @@ static void head_decode_group(struct kvs_stage *s, int32_t g, int32_t G)
     struct kvs_batch b = { .n_tokens = n, .token = s->b_tok, .seq = s->b_seq, .pos = s->b_pos,
                            .logits = s->solo ? s->b_logits : NULL };
     kvs_err e = forward(s, &b, s->y);
-    if (e) {
+    if (e == KVS_ERR_NUMERIC) {
+        if ((n = keep_finite_rows(s, n, s->solo, "decode forward")) == 0) return;
+    } else if (e) {
         char msg[128];
         snprintf(msg, sizeof msg, "decode forward failed: %s", kvs_strerror(e));
         for (int32_t k = 0; k < n; k++) {
