@@ -16,7 +16,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: kvasir shard extract -m FULL.gguf --window BEGIN:END -o STAGE.gguf\n"
             "       kvasir shard index FULL.gguf -o FULL.gguf.kvindex.json\n"
-            "       kvasir shard fetch --url URL --window BEGIN:END -o STAGE.gguf [--index URL_OR_FILE]\n"
+            "       kvasir shard fetch --url URL --window BEGIN:END -o STAGE.gguf [--index URL_OR_FILE|auto]\n"
             "                          [--limit-rate BYTES_PER_S] [--header-bytes N] [--progress auto|lines|none]\n"
             "\n"
             "A shard of the window [BEGIN,END) holds the source's metadata plus the tensors of blocks\n"
@@ -24,6 +24,8 @@ static void usage(FILE *f)
             "fetch downloads only those bytes with HTTP range requests; a rerun resumes an\n"
             "interrupted fetch per tensor, and finds a finished output (same window, same model,\n"
             "tensor digests intact) complete without downloading it again.\n"
+            "--index auto uses URL.kvindex.json when the server has it (kvasir seed serves the index\n"
+            "files beside the models) and fetches unverified when it answers 404.\n"
             "On success fetch prints one line: 'fetched header_bytes=.. data_bytes=.. window_bytes=..\n"
             "skipped_bytes=.. header_reused_bytes=.. requests=.. tensors=.. resumed=.. verified=yes|no'.\n");
 }
@@ -136,8 +138,10 @@ static int cmd_fetch(int argc, char **argv)
             win = argv[++i];
         else if (!strcmp(a, "-o") && v)
             p.out_path = argv[++i];
-        else if (!strcmp(a, "--index") && v)
+        else if (!strcmp(a, "--index") && v) {
             p.index = argv[++i];
+            p.index_optional = !strcmp(p.index, "auto");
+        }
         else if (!strcmp(a, "--limit-rate") && v && parse_u64_arg(v, &p.limit_rate))
             i++;
         else if (!strcmp(a, "--header-bytes") && v && parse_u64_arg(v, &p.initial_header) && p.initial_header)
@@ -162,6 +166,16 @@ static int cmd_fetch(int argc, char **argv)
     if (!p.url || !p.out_path || !win || kvs_shard_parse_window(win, &p.begin, &p.end) != KVS_OK) {
         fprintf(stderr, "kvasir shard fetch: need --url URL, --window BEGIN:END (BEGIN < END) and -o FILE\n");
         return 2;
+    }
+    /* --index auto: the index `kvasir shard index` names FULL.gguf.kvindex.json, beside the model on
+     * the same server (kvasir seed serves it); a server without one gives an unverified fetch. */
+    char auto_ix[4096];
+    if (p.index_optional) {
+        if (snprintf(auto_ix, sizeof auto_ix, "%s.kvindex.json", p.url) >= (int)sizeof auto_ix) {
+            fprintf(stderr, "kvasir shard fetch: --url too long\n");
+            return 2;
+        }
+        p.index = auto_ix;
     }
     char msg[1024] = "";
     struct kvs_shard_fetch_stats st;

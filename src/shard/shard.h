@@ -142,6 +142,7 @@ struct kvs_shard_fetch_params {
     uint32_t begin, end;     /* window */
     const char *out_path;    /* STAGE.gguf; work files: out_path.part, out_path.part.state */
     const char *index;       /* optional: index URL or file path; NULL = no hash check */
+    bool index_optional;     /* an index URL answering 404 means "no index" (logged), not an error */
     uint64_t limit_rate;     /* bytes/s, 0 = unlimited (tests use it to kill mid-way) */
     uint64_t initial_header; /* first header read, bytes; 0 = 1 MiB */
     int progress;            /* -1 auto (bar on a TTY), 0 none, 1 lines */

@@ -538,7 +538,8 @@ static kvs_err load_index(struct fetch *f, struct kvs_shard_index *ix)
     if (!err && rc != CURLE_OK)
         err = kvs_shard__err(KVS_ERR_NET, f->errbuf, f->errlen, "%s: %s", src, curl_easy_strerror(rc));
     if (!err && code != 200)
-        err = kvs_shard__err(KVS_ERR_NET, f->errbuf, f->errlen, "%s: HTTP %ld", src, code);
+        err = kvs_shard__err(code == 404 ? KVS_ERR_NOT_FOUND : KVS_ERR_NET, f->errbuf, f->errlen, "%s: HTTP %ld",
+                             src, code);
     if (!err)
         err = kvs_shard_index_parse((const char *)g.hbuf, g.hlen, ix, f->errbuf, f->errlen);
     free(g.hbuf);
@@ -711,10 +712,17 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
         st->window_bytes += t->bytes;
     }
     st->n_tensors = (uint32_t)nidx;
-    if (p->index) {
+    bool use_index = p->index != NULL;
+    if (use_index) {
         err = load_index(&f, &ix);
-        if (!err)
+        if (err == KVS_ERR_NOT_FOUND && p->index_optional) {
+            KVS_LOGI("fetch: no index at %s: the shard is fetched without SHA-256 checks", p->index);
+            use_index = false;
+            err = KVS_OK;
+            if (errbuf && errlen) errbuf[0] = '\0';
+        } else if (!err) {
             err = bind_index(&f, g, &ix);
+        }
         if (err)
             goto fail;
     }
@@ -723,10 +731,10 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
     uint64_t total = kvs_gguf_writer_total_bytes(w);
     if (output_complete(&f, g, idx, total)) {
         KVS_LOGI("fetch: %s already holds window [%u,%u) of this model (header and tensor digests%s checked): "
-                 "nothing to download", p->out_path, p->begin, p->end, p->index ? " and index" : "");
+                 "nothing to download", p->out_path, p->begin, p->end, use_index ? " and index" : "");
         st->n_resumed = st->n_tensors;
         st->skipped_bytes = st->window_bytes;
-        st->verified = p->index != NULL;
+        st->verified = use_index;
         remove(part);
         remove(f.state_path);
         goto fail; /* err is KVS_OK: the common cleanup */
@@ -862,7 +870,7 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
         goto fail;
     }
     remove(f.state_path);
-    st->verified = p->index != NULL;
+    st->verified = use_index;
 fail:
     if (err && drop_work) {
         remove(part);

@@ -257,4 +257,19 @@ bytes=$(awk '$1 == 206 { s += $2 } END { print s + 0 }' "$T/access.log")
 (( bytes == SUM_TOTAL )) || fail "lighttpd sent $bytes bytes, fetch counted $SUM_TOTAL"
 (( bytes <= SUM_BOUND )) || fail "lighttpd sent $bytes bytes, more than windows + headers + 1% ($SUM_BOUND)"
 echo "ok: lighttpd sent $bytes bytes for 4 windows (bound $SUM_BOUND)"
+# --index auto: MODEL.gguf.kvindex.json beside the model on the seed server is
+# used (verified=yes); without one the fetch goes on unverified (verified=no).
+mkdir -p "$T/auto"
+cp "$M/llama-q4_k_m.gguf" "$T/auto/m.gguf"
+start_seed "$T/auto"
+AU="http://127.0.0.1:$SEED_PORT/m.gguf"
+out=$("$K" shard fetch --url "$AU" --window 1:3 -o "$T/auto1.gguf" --index auto --progress none 2>"$T/auto.err") ||
+    fail "--index auto without an index: $(cat "$T/auto.err")"
+[[ $(field verified "$out") == no ]] || fail "--index auto without an index: $out"
+grep -q 'no index at .*m.gguf.kvindex.json' "$T/auto.err" || fail "--index auto: no log line: $(cat "$T/auto.err")"
+"$K" shard index "$T/auto/m.gguf" -o "$T/auto/m.gguf.kvindex.json"
+out=$("$K" shard fetch --url "$AU" --window 1:3 -o "$T/auto2.gguf" --index auto --progress none)
+[[ $(field verified "$out") == yes ]] || fail "--index auto with the index served: $out"
+cmp "$T/auto1.gguf" "$T/auto2.gguf" || fail "--index auto shards differ"
+echo "ok: --index auto: unverified without an index, verified with the seed's"
 echo "PASS"
