@@ -169,8 +169,11 @@ struct kvs_shard_fetch_stats {
  * kvs_shard_extract would. Resumable: a rerun after an interruption skips the
  * tensors the state file marks done (if the source's size and ETag are
  * unchanged). On success out_path exists and the work files are gone; on
- * failure out_path is not created. stats may be NULL.
+ * failure out_path is not created. A finished out_path (same window and
+ * model, header bytes and tensor digests intact) is kept without a download.
+ * stats may be NULL.
  * Errors: KVS_ERR_NET (connection/HTTP status; server ignores Range),
+ * KVS_ERR_NOT_FOUND (the index URL answers 404, unless index_optional),
  * KVS_ERR_MISMATCH (ETag/size changed mid-fetch, index of another model),
  * KVS_ERR_HASH (tensor hash differs from the index), KVS_ERR_TRUNCATED (short
  * response), KVS_ERR_FORMAT (corrupt header), KVS_ERR_IO, KVS_ERR_NOMEM. */

@@ -683,8 +683,14 @@ static void test_fetch_loopback(void **state)
     assert_true(file_exists(out));
     remove(out);
     snprintf(ixurl, sizeof ixurl, "http://127.0.0.1:%u/none.json", kvs_seed_port(s_ix));
-    assert_int_equal(kvs_shard_fetch(&p, &st, msg, sizeof msg), KVS_ERR_NET);
+    assert_int_equal(kvs_shard_fetch(&p, &st, msg, sizeof msg), KVS_ERR_NOT_FOUND); /* 404 */
     assert_false(file_exists(out));
+    p.index_optional = true; /* --index auto: a 404 is "no index" */
+    assert_int_equal(kvs_shard_fetch(&p, &st, msg, sizeof msg), KVS_OK);
+    assert_false(st.verified);
+    assert_true(file_exists(out));
+    remove(out);
+    p.index_optional = false;
     kvs_seed_stop(s_ix);
     p.index = ixpath;
 
