@@ -159,6 +159,16 @@ static inline void kvs_q4k_scale_min(int j, const uint8_t *b, uint8_t *sc, uint8
     }
 }
 
+/* Q3_K signed 6-bit scale of 16-element sub-block s (0..15) from the 12
+ * packed bytes b: low 4 bits in b[0..7] (s < 8) or their high halves, high
+ * 2 bits in b[8 + s % 4] at bit 2 * (s / 4); minus 32 (gguf-facts §2.4). */
+static inline int kvs_q3k_scale(const uint8_t *b, int s)
+{
+    int low4 = s < 8 ? (b[s] & 0xF) : (b[s - 8] >> 4);
+    int high2 = (b[8 + s % 4] >> (2 * (s / 4))) & 3;
+    return (low4 | high2 << 4) - 32;
+}
+
 /* Table entries shared by all ISAs; an ISA table lists these first and then
  * overrides the entries it accelerates (hence -Woverride-init is silenced
  * around those initializers). */

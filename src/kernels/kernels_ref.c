@@ -215,14 +215,6 @@ void kvs_ref_dequant_q2_K(const void *src, float *dst, int64_t n)
     }
 }
 
-/* Q3_K signed 6-bit scale of 16-element sub-block s. */
-static inline int kvs_q3k_scale(const uint8_t *b, int s)
-{
-    int low4 = s < 8 ? (b[s] & 0xF) : (b[s - 8] >> 4);
-    int high2 = (b[8 + s % 4] >> (2 * (s / 4))) & 3;
-    return (low4 | high2 << 4) - 32;
-}
-
 static inline int kvs_q3_value(const kvs_block_q3_K *b, int e)
 {
     int q = kvs_q2_bits(b->qs, e);

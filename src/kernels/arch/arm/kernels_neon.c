@@ -263,35 +263,26 @@ static inline int32_t kvs_neon_kmins(const uint8_t mn[8], const int16_t *bsums)
     return m;
 }
 
-static float kvs_neon_dot_q4_K(int64_t n, const void *w, const void *a)
-{
-    const kvs_block_q4_K *x = w;
-    const kvs_block_q8_K *y = a;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / KVS_QK_K; i++) {
-        uint8_t sc[8], mn[8];
-        for (int j = 0; j < 8; j++)
-            kvs_q4k_scale_min(j, x[i].scales, &sc[j], &mn[j]);
-        int32_t sa = kvs_neon_qk45_sum(x[i].qs, NULL, sc, y[i].qs), sm = kvs_neon_kmins(mn, y[i].bsums);
-        sum += kvs_f16_to_f32(x[i].d) * y[i].d * (float)sa - kvs_f16_to_f32(x[i].dmin) * y[i].d * (float)sm;
+/* Q4_K and Q5_K share scales, mins and the nibble layout; Q5_K adds qh. */
+#define KVS_NEON_DOT_QK45(NAME, BLOCK, QH)                                                               \
+    static float NAME(int64_t n, const void *w, const void *a)                                           \
+    {                                                                                                  \
+        const BLOCK *x = w;                                                                            \
+        const kvs_block_q8_K *y = a;                                                                   \
+        float sum = 0.0f;                                                                              \
+        for (int64_t i = 0; i < n / KVS_QK_K; i++) {                                                   \
+            uint8_t sc[8], mn[8];                                                                      \
+            for (int j = 0; j < 8; j++)                                                                \
+                kvs_q4k_scale_min(j, x[i].scales, &sc[j], &mn[j]);                                     \
+            int32_t sa = kvs_neon_qk45_sum(x[i].qs, QH, sc, y[i].qs), sm = kvs_neon_kmins(mn, y[i].bsums); \
+            sum += kvs_f16_to_f32(x[i].d) * y[i].d * (float)sa -                                       \
+                   kvs_f16_to_f32(x[i].dmin) * y[i].d * (float)sm;                                     \
+        }                                                                                              \
+        return sum;                                                                                    \
     }
-    return sum;
-}
 
-static float kvs_neon_dot_q5_K(int64_t n, const void *w, const void *a)
-{
-    const kvs_block_q5_K *x = w;
-    const kvs_block_q8_K *y = a;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / KVS_QK_K; i++) {
-        uint8_t sc[8], mn[8];
-        for (int j = 0; j < 8; j++)
-            kvs_q4k_scale_min(j, x[i].scales, &sc[j], &mn[j]);
-        int32_t sa = kvs_neon_qk45_sum(x[i].qs, x[i].qh, sc, y[i].qs), sm = kvs_neon_kmins(mn, y[i].bsums);
-        sum += kvs_f16_to_f32(x[i].d) * y[i].d * (float)sa - kvs_f16_to_f32(x[i].dmin) * y[i].d * (float)sm;
-    }
-    return sum;
-}
+KVS_NEON_DOT_QK45(kvs_neon_dot_q4_K, kvs_block_q4_K, NULL)
+KVS_NEON_DOT_QK45(kvs_neon_dot_q5_K, kvs_block_q5_K, x[i].qh)
 
 /* Q6_K: elements 128nn + 32g + l take the low (g < 2) or high nibble of
  * ql[64nn + 32(g & 1) + l] and bits 2g..2g+1 of qh[32nn + l], minus 32
@@ -327,7 +318,7 @@ static float kvs_neon_dot_q6_K(int64_t n, const void *w, const void *a)
 /* Q2_K / Q3_K: elements 128h + 32j + l are bits 2j..2j+1 of qs[32h + l];
  * sub-blocks of 16. Q2_K: q 0..3 with 4-bit scale and min per sub-block;
  * Q3_K: q - 4 unless bit 4h + j of hmask[l] is set (-4..3), signed 6-bit
- * scales (kvs_q3k_scale's layout). */
+ * scales (kvs_q3k_scale). */
 static float kvs_neon_dot_q2_K(int64_t n, const void *w, const void *a)
 {
     const kvs_block_q2_K *x = w;
@@ -359,13 +350,9 @@ static float kvs_neon_dot_q3_K(int64_t n, const void *w, const void *a)
     const int8x16_t four = vdupq_n_s8(4);
     float sum = 0.0f;
     for (int64_t i = 0; i < n / KVS_QK_K; i++) {
-        const uint8_t *b = x[i].scales;
         int sc[16];
-        for (int s = 0; s < 16; s++) {
-            int low4 = s < 8 ? (b[s] & 0xF) : (b[s - 8] >> 4);
-            int high2 = (b[8 + s % 4] >> (2 * (s / 4))) & 3;
-            sc[s] = (low4 | high2 << 4) - 32;
-        }
+        for (int s = 0; s < 16; s++)
+            sc[s] = kvs_q3k_scale(x[i].scales, s);
         int32_t sa = 0;
         for (int h = 0; h < 2; h++)
             for (int j = 0; j < 4; j++)

@@ -594,7 +594,7 @@ static float kvs_x86_dot_q2_K(int64_t n, const void *w, const void *a)
  * u = q2 + 4 * bit in 0..7 (pairs <= 1778 fit int16); the -4 comes back as
  * -4 * sum_s scale_s * bsums[s]. Element 128h + 32j + l has its hmask bit
  * at bit 4h + j of hmask[l]; scales are the signed 6-bit ones of the
- * reference (kvs_q3k_scale's layout, gguf-facts §2.4). */
+ * reference (kvs_q3k_scale, gguf-facts §2.4). */
 static float kvs_x86_dot_q3_K(int64_t n, const void *w, const void *a)
 {
     const kvs_block_q3_K *x = w;
@@ -602,13 +602,9 @@ static float kvs_x86_dot_q3_K(int64_t n, const void *w, const void *a)
     const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     float sum = 0.0f;
     for (int64_t i = 0; i < n / KVS_QK_K; i++) {
-        const uint8_t *b = x[i].scales;
         int sc[16];
-        for (int s = 0; s < 16; s++) {
-            int low4 = s < 8 ? (b[s] & 0xF) : (b[s - 8] >> 4);
-            int high2 = (b[8 + s % 4] >> (2 * (s / 4))) & 3;
-            sc[s] = (low4 | high2 << 4) - 32;
-        }
+        for (int s = 0; s < 16; s++)
+            sc[s] = kvs_q3k_scale(x[i].scales, s);
         __m256i hm = _mm256_loadu_si256((const __m256i *)x[i].hmask);
         __m256i acc = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
