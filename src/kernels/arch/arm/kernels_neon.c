@@ -88,58 +88,35 @@ static float kvs_neon_dot_q4_0(int64_t n, const void *w, const void *a)
 
 /* --- float types ---------------------------------------------------------- */
 
-static float kvs_neon_dot_f32(int64_t n, const void *w, const void *a)
-{
-    const float *x = w, *y = a;
-    float32x4_t acc[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int k = 0; k < 4; k++)
-            acc[k] = vfmaq_f32(acc[k], vld1q_f32(x + i + 4 * k), vld1q_f32(y + i + 4 * k));
-    float s = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
-    for (; i < n; i++)
-        s += x[i] * y[i];
-    return s;
-}
-
-static inline float32x4_t kvs_neon_f16x4(const uint16_t *p)
-{
-    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
-}
-
-static float kvs_neon_dot_f16(int64_t n, const void *w, const void *a)
-{
-    const uint16_t *x = w, *y = a;
-    float32x4_t acc[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int k = 0; k < 4; k++)
-            acc[k] = vfmaq_f32(acc[k], kvs_neon_f16x4(x + i + 4 * k), kvs_neon_f16x4(y + i + 4 * k));
-    float s = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
-    for (; i < n; i++)
-        s += kvs_f16_to_f32(x[i]) * kvs_f16_to_f32(y[i]);
-    return s;
-}
-
-/* 4 BF16 values (the high halves of F32) widened to F32: exact. */
+/* 4 values widened to F32 (exact for all three types), and one value. */
+static inline float32x4_t kvs_neon_f16x4(const uint16_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
 static inline float32x4_t kvs_neon_bf16x4(const uint16_t *p)
 {
     return vreinterpretq_f32_u32(vshlq_n_u32(vmovl_u16(vld1_u16(p)), 16));
 }
+static inline float kvs_neon_f32(float v) { return v; }
 
-static float kvs_neon_dot_bf16(int64_t n, const void *w, const void *a)
-{
-    const uint16_t *x = w, *y = a;
-    float32x4_t acc[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int k = 0; k < 4; k++)
-            acc[k] = vfmaq_f32(acc[k], kvs_neon_bf16x4(x + i + 4 * k), kvs_neon_bf16x4(y + i + 4 * k));
-    float s = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
-    for (; i < n; i++)
-        s += kvs_bf16_to_f32(x[i]) * kvs_bf16_to_f32(y[i]);
-    return s;
-}
+/* Float dots (weights and activations of one type): four accumulators of 4,
+ * then a scalar tail. */
+#define KVS_NEON_DOT_FLOAT(NAME, T, LOAD4, ONE)                                                    \
+    static float NAME(int64_t n, const void *w, const void *a)                                   \
+    {                                                                                            \
+        const T *x = w, *y = a;                                                                  \
+        float32x4_t acc[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f),           \
+                              vdupq_n_f32(0.0f)};                                                \
+        int64_t i = 0;                                                                           \
+        for (; i + 16 <= n; i += 16)                                                             \
+            for (int k = 0; k < 4; k++)                                                          \
+                acc[k] = vfmaq_f32(acc[k], LOAD4(x + i + 4 * k), LOAD4(y + i + 4 * k));          \
+        float s = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));  \
+        for (; i < n; i++)                                                                       \
+            s += ONE(x[i]) * ONE(y[i]);                                                          \
+        return s;                                                                                \
+    }
+
+KVS_NEON_DOT_FLOAT(kvs_neon_dot_f32, float, vld1q_f32, kvs_neon_f32)
+KVS_NEON_DOT_FLOAT(kvs_neon_dot_f16, uint16_t, kvs_neon_f16x4, kvs_f16_to_f32)
+KVS_NEON_DOT_FLOAT(kvs_neon_dot_bf16, uint16_t, kvs_neon_bf16x4, kvs_bf16_to_f32)
 
 /* --- Q4_1, Q5_0, Q5_1 ---------------------------------------------------------- */
 

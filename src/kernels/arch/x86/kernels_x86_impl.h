@@ -373,50 +373,15 @@ static void kvs_x86_dot4_q6_K(int64_t n, const void *w, const void *a, size_t a_
     memcpy(out, sum, sizeof sum);
 }
 
-/* --- F16 x F16 ------------------------------------------------------------ */
+/* --- F16, BF16, F32 --------------------------------------------------------- */
 
-static float kvs_x86_dot_f16(int64_t n, const void *w, const void *a)
-{
-    const uint16_t *x = w, *y = a;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        for (int k = 0; k < 4; k++) {
-            __m256 vx = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i + 8 * k)));
-            __m256 vy = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(y + i + 8 * k)));
-            acc[k] = _mm256_fmadd_ps(vx, vy, acc[k]);
-        }
-    }
-    float s = kvs_x86_hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    for (; i < n; i++)
-        s += KVS_F16(x[i]) * KVS_F16(y[i]);
-    return s;
-}
-
-/* --- F32 and BF16 ------------------------------------------------------------ */
-
-static float kvs_x86_dot_f32(int64_t n, const void *w, const void *a)
-{
-    const float *x = w, *y = a;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int k = 0; k < 4; k++)
-            acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * k), _mm256_loadu_ps(y + i + 8 * k), acc[k]);
-    for (; i + 8 <= n; i += 8)
-        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), acc[0]);
-    float s = kvs_x86_hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    for (; i < n; i++)
-        s += x[i] * y[i];
-    return s;
-}
-
-/* 8 BF16 values (the high halves of F32) widened to F32: exact. */
+/* 8 values widened to F32 (exact for all three types), and one value. */
+static inline __m256 kvs_x86_f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline __m256 kvs_x86_bf16x8(const uint16_t *p)
 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
-
+static inline float kvs_x86_f16(uint16_t h) { return KVS_F16(h); }
 static inline float kvs_x86_bf16(uint16_t h)
 {
     uint32_t u = (uint32_t)h << 16;
@@ -424,20 +389,32 @@ static inline float kvs_x86_bf16(uint16_t h)
     memcpy(&f, &u, 4);
     return f;
 }
+static inline float kvs_x86_f32(float v) { return v; }
 
-static float kvs_x86_dot_bf16(int64_t n, const void *w, const void *a)
-{
-    const uint16_t *x = w, *y = a;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int k = 0; k < 4; k++)
-            acc[k] = _mm256_fmadd_ps(kvs_x86_bf16x8(x + i + 8 * k), kvs_x86_bf16x8(y + i + 8 * k), acc[k]);
-    float s = kvs_x86_hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    for (; i < n; i++)
-        s += kvs_x86_bf16(x[i]) * kvs_x86_bf16(y[i]);
-    return s;
-}
+/* Float dots (weights and activations of one type): four accumulators of 8,
+ * then 8 at a time, then a scalar tail. */
+#define KVS_X86_DOT_FLOAT(NAME, T, LOAD8, ONE)                                                      \
+    static float NAME(int64_t n, const void *w, const void *a)                                    \
+    {                                                                                             \
+        const T *x = w, *y = a;                                                                   \
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),          \
+                         _mm256_setzero_ps()};                                                    \
+        int64_t i = 0;                                                                            \
+        for (; i + 32 <= n; i += 32)                                                              \
+            for (int k = 0; k < 4; k++)                                                           \
+                acc[k] = _mm256_fmadd_ps(LOAD8(x + i + 8 * k), LOAD8(y + i + 8 * k), acc[k]);     \
+        for (; i + 8 <= n; i += 8)                                                                \
+            acc[0] = _mm256_fmadd_ps(LOAD8(x + i), LOAD8(y + i), acc[0]);                         \
+        float s = kvs_x86_hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),                    \
+                                                _mm256_add_ps(acc[2], acc[3])));                  \
+        for (; i < n; i++)                                                                        \
+            s += ONE(x[i]) * ONE(y[i]);                                                           \
+        return s;                                                                                 \
+    }
+
+KVS_X86_DOT_FLOAT(kvs_x86_dot_f16, uint16_t, kvs_x86_f16x8, kvs_x86_f16)
+KVS_X86_DOT_FLOAT(kvs_x86_dot_bf16, uint16_t, kvs_x86_bf16x8, kvs_x86_bf16)
+KVS_X86_DOT_FLOAT(kvs_x86_dot_f32, float, _mm256_loadu_ps, kvs_x86_f32)
 
 /* F32 -> BF16 rows as kvs_f32_to_bf16: round to nearest even on the upper
  * 16 bits, NaN kept quiet (| 0x40). */
