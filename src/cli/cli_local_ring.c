@@ -14,16 +14,29 @@
 #include "cli/cli.h"
 #include "cli/cli_ring.h"
 #include "common/log.h"
+#include "common/rng.h"
 #include "gguf/gguf.h"
 #include "link/link.h"
 #include "model/model.h"
 
 /* A free loopback port (bound then released: another process could take it
- * before the stage binds it, which then fails loudly). */
-static int free_port(void)
+ * before the stage binds it, which then fails loudly and ends the run). Drawn
+ * from 20000..32767, below Linux's ephemeral range (32768..60999): a port the
+ * kernel picked for us there can meanwhile become the source port of any
+ * outgoing connection on the machine. Port 0 (the kernel's pick) if none of
+ * 64 draws binds. */
+static int free_port(struct kvs_rng *draw)
 {
     struct kvs_listener *l;
-    char err[128];
+    char err[128], addr[32];
+    for (int attempt = 0; attempt < 64; attempt++) {
+        snprintf(addr, sizeof addr, "127.0.0.1:%d", 20000 + (int)(kvs_rng_next(draw) % 12768u));
+        if (kvs_tcp_listen(addr, &l, err, sizeof err) == KVS_OK) {
+            int p = kvs_listener_port(l);
+            kvs_listener_close(l);
+            return p;
+        }
+    }
     if (kvs_tcp_listen("127.0.0.1:0", &l, err, sizeof err)) return -1;
     int p = kvs_listener_port(l);
     kvs_listener_close(l);
@@ -60,11 +73,20 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
     lr->ports = calloc((size_t)n, sizeof *lr->ports);
     lr->pids = calloc((size_t)n, sizeof *lr->pids);
     if (!lr->ports || !lr->pids) goto fail;
-    for (int r = 0; r < n; r++)
-        if ((lr->ports[r] = free_port()) <= 0) {
+    struct kvs_rng draw;
+    kvs_rng_seed(&draw, ((uint64_t)getpid() << 32) ^ (uint64_t)kvs_link_now_ms());
+    for (int r = 0; r < n; r++) {
+        bool dup = true;
+        for (int tries = 0; dup && tries < 16; tries++) { /* released ports can be drawn again */
+            lr->ports[r] = free_port(&draw);
+            dup = false;
+            for (int q = 0; q < r; q++) dup |= lr->ports[q] == lr->ports[r];
+        }
+        if (lr->ports[r] <= 0 || dup) {
             fprintf(stderr, "kvasir %s: no free loopback port\n", o->who);
             goto fail;
         }
+    }
     char self[4096];
     ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
     if (sl <= 0) {

@@ -294,8 +294,20 @@ int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o
     }
     int rc;
     int64_t t_serve = -1; /* ms from the ring closing to the last request's end */
-    kvs_err we = kvs_stage_wait_ready(head, o->ready_timeout_ms);
-    if (we == KVS_ERR_CANCELLED) {
+    /* In slices, so that a child stage that died (a port taken, a bad file)
+     * ends the wait at once instead of after ready_timeout_ms. */
+    kvs_err we = KVS_ERR_TIMEOUT;
+    bool child_died = false;
+    for (int waited = 0; waited < o->ready_timeout_ms && we == KVS_ERR_TIMEOUT && !child_died;) {
+        int slice = o->ready_timeout_ms - waited < 200 ? o->ready_timeout_ms - waited : 200;
+        we = kvs_stage_wait_ready(head, slice);
+        waited += slice;
+        if (we == KVS_ERR_TIMEOUT && o->children) child_died = kvs_local_ring_poll_children(o->children) > 0;
+    }
+    if (child_died) {
+        fprintf(stderr, "kvasir: a stage process exited before the ring closed (its log is above)\n");
+        rc = 1;
+    } else if (we == KVS_ERR_CANCELLED) {
         fprintf(stderr, "kvasir: stopped before the ring closed\n");
         rc = 1;
     } else if (we == KVS_ERR_TIMEOUT) {
@@ -449,6 +461,7 @@ int kvs_cli_run_ring(int argc, char **argv)
         fprintf(stderr, "kvasir run: head stage: %s (%s)\n", kvs_strerror(e), err);
         goto done;
     }
+    co.children = &lr;
     rc = kvs_ring_client(head, &co);
 done:
     kvs_stage_free(head);

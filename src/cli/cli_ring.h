@@ -17,6 +17,8 @@ struct kvs_ring_client_opts {
     bool ignore_eos;
     struct kvs_sampler_params sp;
     int ready_timeout_ms;     /* wait this long for the ring to close */
+    struct kvs_local_ring *children; /* a local ring's child stages: one that exits while the ring
+                                      * closes ends the wait at once (NULL: none to watch) */
 };
 
 /* Parses one client option of a head (-p, --prompts, -n, --temp, --top-k,
