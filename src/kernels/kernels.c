@@ -209,3 +209,10 @@ void kvs_vec_f16_mad(const struct kvs_kernels *k, uint16_t *y, const uint16_t *x
 {
     k->f16_mad(y, x, s, n);
 }
+
+bool kvs_vec_all_finite(const float *x, size_t n)
+{
+    float acc = 0.0f;
+    for (size_t i = 0; i < n; i++) acc += x[i] * 0.0f; /* NaN for a NaN or an infinity */
+    return acc == 0.0f;
+}

@@ -65,6 +65,10 @@ float kvs_vec_dot(const struct kvs_kernels *k, enum kvs_type type, int64_t n, co
 void kvs_vec_f16_scale(const struct kvs_kernels *k, uint16_t *y, float s, int64_t n);
 void kvs_vec_f16_mad(const struct kvs_kernels *k, uint16_t *y, const uint16_t *x, float s, int64_t n);
 
+/* True when x[0..n) holds no NaN and no infinity (one pass, no allocation;
+ * a logits row of 151936 values takes a few microseconds). */
+bool kvs_vec_all_finite(const float *x, size_t n);
+
 /* Reference weight quantizer (to create files: synth, tests): F32 -> type
  * for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16, F32 (gguf-facts §2.3
  * reference quantizers). Returns KVS_ERR_UNSUPPORTED for other types. */

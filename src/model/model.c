@@ -824,15 +824,6 @@ static void ffn_block(struct kvs_model *m, int32_t n, int32_t il)
     for (size_t i = 0; i < (size_t)n * (size_t)E; i++) m->x[i] += m->tmp[i];
 }
 
-/* No NaN or infinity in x[0..n): one pass, a few microseconds per logits row
- * (corrupt weights or a broken boundary must not become token 0). */
-static bool all_finite(const float *x, size_t n)
-{
-    float acc = 0.0f;
-    for (size_t i = 0; i < n; i++) acc += x[i] * 0.0f; /* NaN for NaN or +-inf */
-    return acc == 0.0f;
-}
-
 /* Checks the batch against the caches without changing anything. */
 static kvs_err check_batch(struct kvs_model *m, const struct kvs_batch *b)
 {
@@ -888,7 +879,7 @@ kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float 
 
     if (!kvs_model_has_head(m)) {
         memcpy(out, m->x, (size_t)n * (size_t)E * sizeof(float));
-        return all_finite(out, (size_t)n * (size_t)E) ? KVS_OK : KVS_ERR_NUMERIC;
+        return kvs_vec_all_finite(out, (size_t)n * (size_t)E) ? KVS_OK : KVS_ERR_NUMERIC;
     }
     int32_t n_out = 0;
     for (int32_t t = 0; t < n; t++) {
@@ -898,5 +889,6 @@ kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float 
         n_out++;
     }
     if (n_out) kvs_matmul(m->k, mm_pool(m, m->out_w.ne1, E, n_out), &m->out_w, m->xn, n_out, out, m->mm_scratch);
-    return all_finite(out, (size_t)n_out * (size_t)hp->n_vocab) ? KVS_OK : KVS_ERR_NUMERIC;
+    /* corrupt weights or a broken boundary must not become token 0 */
+    return kvs_vec_all_finite(out, (size_t)n_out * (size_t)hp->n_vocab) ? KVS_OK : KVS_ERR_NUMERIC;
 }

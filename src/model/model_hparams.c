@@ -185,13 +185,14 @@ kvs_err kvs_hparams_read(const struct kvs_gguf *g, struct kvs_hparams *hp, char 
     /* Vocabulary: the explicit key, else the token list, else the shape of
      * the embedding (tensor infos only: no data is touched). */
     snprintf(key, sizeof key, "%s.vocab_size", a);
+    const int64_t tok_ki = kvs_gguf_find_key(g, "tokenizer.ggml.tokens");
+    const bool have_tokens = tok_ki >= 0 && kvs_gguf_kv_type(g, (size_t)tok_ki) == KVS_GGUF_TYPE_ARRAY;
+    const uint64_t n_tok = have_tokens ? kvs_gguf_arr_n(g, (size_t)tok_ki) : 0;
     uint32_t nv = 0;
     e = kvs_gguf_get_u32(g, key, &nv);
     if (e == KVS_ERR_NOT_FOUND) {
-        int64_t ki = kvs_gguf_find_key(g, "tokenizer.ggml.tokens");
-        if (ki >= 0 && kvs_gguf_kv_type(g, (size_t)ki) == KVS_GGUF_TYPE_ARRAY) {
-            uint64_t n = kvs_gguf_arr_n(g, (size_t)ki);
-            nv = n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
+        if (have_tokens) {
+            nv = n_tok > UINT32_MAX ? UINT32_MAX : (uint32_t)n_tok;
         } else {
             const struct kvs_gguf_tensor *t = kvs_gguf_find_tensor(g, "token_embd.weight");
             if (!t) t = kvs_gguf_find_tensor(g, "output.weight");
@@ -204,9 +205,6 @@ kvs_err kvs_hparams_read(const struct kvs_gguf *g, struct kvs_hparams *hp, char 
     if ((e = check_range("vocabulary size", nv, 1, HP_MAX_VOCAB, errbuf, errlen))) return e;
     /* Every token id must have an embedding row and an output row. */
     {
-        int64_t ki = kvs_gguf_find_key(g, "tokenizer.ggml.tokens");
-        uint64_t n_tok = ki >= 0 && kvs_gguf_kv_type(g, (size_t)ki) == KVS_GGUF_TYPE_ARRAY ? kvs_gguf_arr_n(g, (size_t)ki)
-                                                                                          : 0;
         static const char *const rows_of[] = { "token_embd.weight", "output.weight" };
         for (int i = 0; i < 2; i++) {
             const struct kvs_gguf_tensor *t = kvs_gguf_find_tensor(g, rows_of[i]);

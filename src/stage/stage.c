@@ -14,6 +14,7 @@
 
 #include "common/log.h"
 #include "gguf/gguf.h"
+#include "kernels/kernels.h"
 #include "kernels/pool.h"
 #include "link/link.h"
 #include "model/model.h"
@@ -258,6 +259,14 @@ static bool send_simple(struct kvs_stage *s, uint8_t kind, uint8_t flags, uint32
 {
     struct kvs_frame_header h = { .kind = kind, .flags = flags, .req = req, .pos = pos };
     return send_built(s, &h);
+}
+
+/* Head: request req fails with e (its final event, if its slot q is still
+ * held) and a CANCEL goes round so that every stage frees its slot. */
+static void head_abort(struct kvs_stage *s, struct seq *q, uint32_t req, kvs_err e, const char *msg)
+{
+    if (q) head_end(s, q, e, 0, msg);
+    send_simple(s, KVS_FRAME_CANCEL, 0, req, 0);
 }
 
 static bool send_error(struct kvs_stage *s, uint32_t req, kvs_err code, const char *msg)
@@ -615,15 +624,12 @@ static int32_t keep_finite_rows(struct kvs_stage *s, int32_t n, bool logits, con
     int32_t kept = 0;
     for (int32_t k = 0; k < n; k++) {
         const float *row = s->y + (size_t)k * w;
-        float acc = 0.0f;
-        for (size_t i = 0; i < w; i++) acc += row[i] * 0.0f;
-        if (acc != 0.0f) {
+        if (!kvs_vec_all_finite(row, w)) {
             char msg[160];
             snprintf(msg, sizeof msg, "%s: %s", what, kvs_strerror(KVS_ERR_NUMERIC));
             struct seq *q = seq_find(s, s->b_req[k]);
             if (s->is_head) {
-                if (q) head_end(s, q, KVS_ERR_NUMERIC, 0, msg);
-                send_simple(s, KVS_FRAME_CANCEL, 0, s->b_req[k], 0);
+                head_abort(s, q, s->b_req[k], KVS_ERR_NUMERIC, msg);
             } else {
                 stage_fail_req(s, q, s->b_req[k], KVS_ERR_NUMERIC, msg);
             }
@@ -690,25 +696,25 @@ static void head_token(struct kvs_stage *s, uint32_t req_id, uint32_t pos, struc
     struct seq *q = seq_find(s, req_id);
     if (!q) return; /* cancelled or failed meanwhile */
     if (tm.token < 0 || (uint32_t)tm.token >= s->n_vocab) {
-        uint32_t req = q->req;
-        head_end(s, q, KVS_ERR_FORMAT, 0, "the tail sent a token id outside the vocabulary");
-        send_simple(s, KVS_FRAME_CANCEL, 0, req, 0);
+        head_abort(s, q, q->req, KVS_ERR_FORMAT, "the tail sent a token id outside the vocabulary");
         return;
     }
     /* One token per forward, at the position after the head's KV cache: a
      * duplicate, a stray or a token while one is still waiting to be fed is
      * a broken (or hostile) tail, not output. */
     const int32_t want_pos = kvs_model_seq_len(s->m, seq_slot(s, q));
+    if (!tm.finish && pos >= (uint32_t)s->n_ctx) {
+        head_abort(s, q, q->req, KVS_ERR_RANGE, "the tail sent a token at an unexpected position");
+        return;
+    }
     if (q->has_next || (int64_t)pos != (int64_t)want_pos) {
         char msg[160];
         if (q->has_next)
             snprintf(msg, sizeof msg, "the tail sent another token (position %u) before the last one was fed", pos);
         else
             snprintf(msg, sizeof msg, "the tail sent a token for position %u, expected %d", pos, (int)want_pos);
-        uint32_t req = q->req;
-        KVS_LOGW("request %u: %s", req, msg);
-        head_end(s, q, KVS_ERR_PEER, 0, msg);
-        send_simple(s, KVS_FRAME_CANCEL, 0, req, 0);
+        KVS_LOGW("request %u: %s", q->req, msg);
+        head_abort(s, q, q->req, KVS_ERR_PEER, msg);
         return;
     }
     met_add(s, &s->met.tokens_generated, 1);
@@ -775,10 +781,7 @@ static void on_error(struct kvs_stage *s, const struct kvs_frame *f)
             drop_all(s, e, msg);
         } else {
             struct seq *q = seq_find(s, f->h.req);
-            if (q) {
-                head_end(s, q, e, 0, msg);
-                send_simple(s, KVS_FRAME_CANCEL, 0, f->h.req, 0);
-            }
+            if (q) head_abort(s, q, f->h.req, e, msg);
         }
         return;
     }
@@ -1283,8 +1286,7 @@ static void head_start(struct kvs_stage *s, struct queued *w)
         if (e) {
             char msg[128];
             snprintf(msg, sizeof msg, "forward on the prompt failed: %s", kvs_strerror(e));
-            head_end(s, q, e, 0, msg);
-            send_simple(s, KVS_FRAME_CANCEL, 0, w->req, 0);
+            head_abort(s, q, w->req, e, msg);
             return;
         }
         met_add(s, &s->met.prefill_tokens, cnt);
@@ -1325,8 +1327,7 @@ static void head_admit(struct kvs_stage *s)
         if (cancel) {
             struct seq *q = seq_find(s, cancel);
             if (q) {
-                head_end(s, q, KVS_ERR_CANCELLED, 0, "cancelled");
-                send_simple(s, KVS_FRAME_CANCEL, 0, cancel, 0);
+                head_abort(s, q, cancel, KVS_ERR_CANCELLED, "cancelled");
             } else { /* maybe still queued */
                 pthread_mutex_lock(&s->mu);
                 for (int i = 0; i < s->n_queue; i++)
@@ -1404,13 +1405,7 @@ static void head_decode_group(struct kvs_stage *s, int32_t g, int32_t G)
     int32_t n = 0;
     for (int32_t i = g; i < s->n_seq; i += G) {
         struct seq *q = &s->seqs[i];
-        if (!q->used || !q->has_next) continue;
-        if (q->next_pos != kvs_model_seq_len(s->m, i) || q->next_pos >= s->n_ctx) {
-            uint32_t req = q->req;
-            head_end(s, q, KVS_ERR_RANGE, 0, "the tail sent a token at an unexpected position");
-            send_simple(s, KVS_FRAME_CANCEL, 0, req, 0);
-            continue;
-        }
+        if (!q->used || !q->has_next) continue; /* head_token checked next_pos */
         s->b_tok[n] = q->next_tok;
         s->b_seq[n] = i;
         s->b_pos[n] = q->next_pos;
@@ -1428,11 +1423,7 @@ static void head_decode_group(struct kvs_stage *s, int32_t g, int32_t G)
     } else if (e) {
         char msg[128];
         snprintf(msg, sizeof msg, "decode forward failed: %s", kvs_strerror(e));
-        for (int32_t k = 0; k < n; k++) {
-            struct seq *q = seq_find(s, s->b_req[k]);
-            if (q) head_end(s, q, e, 0, msg);
-            send_simple(s, KVS_FRAME_CANCEL, 0, s->b_req[k], 0);
-        }
+        for (int32_t k = 0; k < n; k++) head_abort(s, seq_find(s, s->b_req[k]), s->b_req[k], e, msg);
         return;
     }
     decode_rows_done(s, n, s->solo);

@@ -145,21 +145,36 @@ static inline int32x4_t kvs_neon_dot32(int8x16_t w0, int8x16_t w1, const int8_t 
     return kvs_neon_dot_s8(kvs_neon_dot_s8(vdupq_n_s32(0), w0, vld1q_s8(a)), w1, vld1q_s8(a + 16));
 }
 
-static float kvs_neon_dot_q4_1(int64_t n, const void *w, const void *a)
+/* Q5_0 / Q5_1 quants 0..31 of one block: nibble | fifth bit << 4. */
+static inline void kvs_neon_q5_quants(const uint8_t *qs, const uint8_t qh[4], int8x16_t *lo, int8x16_t *hi)
 {
-    const kvs_block_q4_1 *x = w;
-    const kvs_block_q8_1 *y = a;
-    float32x4_t acc = vdupq_n_f32(0.0f);
-    float mins = 0.0f;
-    for (int64_t i = 0; i < n / KVS_QK; i++) {
-        int8x16_t lo, hi;
-        kvs_neon_nibbles(x[i].qs, &lo, &hi);
-        acc = vmlaq_n_f32(acc, vcvtq_f32_s32(kvs_neon_dot32(lo, hi, y[i].qs)),
-                          kvs_f16_to_f32(x[i].d) * kvs_f16_to_f32(y[i].d));
-        mins += kvs_f16_to_f32(x[i].m) * kvs_f16_to_f32(y[i].s);
-    }
-    return vaddvq_f32(acc) + mins;
+    int8x16_t h0, h1;
+    kvs_neon_nibbles(qs, lo, hi);
+    kvs_neon_q5_high(qh, &h0, &h1);
+    *lo = vorrq_s8(*lo, h0);
+    *hi = vorrq_s8(*hi, h1);
 }
+
+/* Q4_1 / Q5_1 x Q8_1: unsigned quants times d * d_y, plus m * s_y per block. */
+#define KVS_NEON_DOT_MIN(NAME, BLOCK, UNPACK)                                                      \
+    static float NAME(int64_t n, const void *w, const void *a)                                   \
+    {                                                                                            \
+        const BLOCK *x = w;                                                                      \
+        const kvs_block_q8_1 *y = a;                                                             \
+        float32x4_t acc = vdupq_n_f32(0.0f);                                                     \
+        float mins = 0.0f;                                                                       \
+        for (int64_t i = 0; i < n / KVS_QK; i++) {                                               \
+            int8x16_t lo, hi;                                                                    \
+            UNPACK;                                                                              \
+            acc = vmlaq_n_f32(acc, vcvtq_f32_s32(kvs_neon_dot32(lo, hi, y[i].qs)),               \
+                              kvs_f16_to_f32(x[i].d) * kvs_f16_to_f32(y[i].d));                  \
+            mins += kvs_f16_to_f32(x[i].m) * kvs_f16_to_f32(y[i].s);                             \
+        }                                                                                        \
+        return vaddvq_f32(acc) + mins;                                                           \
+    }
+
+KVS_NEON_DOT_MIN(kvs_neon_dot_q4_1, kvs_block_q4_1, kvs_neon_nibbles(x[i].qs, &lo, &hi))
+KVS_NEON_DOT_MIN(kvs_neon_dot_q5_1, kvs_block_q5_1, kvs_neon_q5_quants(x[i].qs, x[i].qh, &lo, &hi))
 
 static float kvs_neon_dot_q5_0(int64_t n, const void *w, const void *a)
 {
@@ -168,32 +183,12 @@ static float kvs_neon_dot_q5_0(int64_t n, const void *w, const void *a)
     const int8x16_t off = vdupq_n_s8(16);
     float32x4_t acc = vdupq_n_f32(0.0f);
     for (int64_t i = 0; i < n / KVS_QK; i++) {
-        int8x16_t lo, hi, h0, h1;
-        kvs_neon_nibbles(x[i].qs, &lo, &hi);
-        kvs_neon_q5_high(x[i].qh, &h0, &h1);
-        lo = vsubq_s8(vorrq_s8(lo, h0), off);
-        hi = vsubq_s8(vorrq_s8(hi, h1), off);
-        acc = vmlaq_n_f32(acc, vcvtq_f32_s32(kvs_neon_dot32(lo, hi, y[i].qs)),
+        int8x16_t lo, hi;
+        kvs_neon_q5_quants(x[i].qs, x[i].qh, &lo, &hi);
+        acc = vmlaq_n_f32(acc, vcvtq_f32_s32(kvs_neon_dot32(vsubq_s8(lo, off), vsubq_s8(hi, off), y[i].qs)),
                           kvs_f16_to_f32(x[i].d) * kvs_f16_to_f32(y[i].d));
     }
     return vaddvq_f32(acc);
-}
-
-static float kvs_neon_dot_q5_1(int64_t n, const void *w, const void *a)
-{
-    const kvs_block_q5_1 *x = w;
-    const kvs_block_q8_1 *y = a;
-    float32x4_t acc = vdupq_n_f32(0.0f);
-    float mins = 0.0f;
-    for (int64_t i = 0; i < n / KVS_QK; i++) {
-        int8x16_t lo, hi, h0, h1;
-        kvs_neon_nibbles(x[i].qs, &lo, &hi);
-        kvs_neon_q5_high(x[i].qh, &h0, &h1);
-        acc = vmlaq_n_f32(acc, vcvtq_f32_s32(kvs_neon_dot32(vorrq_s8(lo, h0), vorrq_s8(hi, h1), y[i].qs)),
-                          kvs_f16_to_f32(x[i].d) * kvs_f16_to_f32(y[i].d));
-        mins += kvs_f16_to_f32(x[i].m) * kvs_f16_to_f32(y[i].s);
-    }
-    return vaddvq_f32(acc) + mins;
 }
 
 /* --- K-quants against Q8_K ---------------------------------------------------- */

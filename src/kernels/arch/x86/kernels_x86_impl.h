@@ -375,19 +375,12 @@ static void kvs_x86_dot4_q6_K(int64_t n, const void *w, const void *a, size_t a_
 
 /* --- F16, BF16, F32 --------------------------------------------------------- */
 
-/* 8 values widened to F32 (exact for all three types), and one value. */
+/* 8 values widened to F32 (exact for all three types); one value: KVS_F16,
+ * kvs_bf16_to_f32, kvs_x86_f32. */
 static inline __m256 kvs_x86_f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline __m256 kvs_x86_bf16x8(const uint16_t *p)
 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-static inline float kvs_x86_f16(uint16_t h) { return KVS_F16(h); }
-static inline float kvs_x86_bf16(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
 }
 static inline float kvs_x86_f32(float v) { return v; }
 
@@ -412,8 +405,8 @@ static inline float kvs_x86_f32(float v) { return v; }
         return s;                                                                                 \
     }
 
-KVS_X86_DOT_FLOAT(kvs_x86_dot_f16, uint16_t, kvs_x86_f16x8, kvs_x86_f16)
-KVS_X86_DOT_FLOAT(kvs_x86_dot_bf16, uint16_t, kvs_x86_bf16x8, kvs_x86_bf16)
+KVS_X86_DOT_FLOAT(kvs_x86_dot_f16, uint16_t, kvs_x86_f16x8, KVS_F16)
+KVS_X86_DOT_FLOAT(kvs_x86_dot_bf16, uint16_t, kvs_x86_bf16x8, kvs_bf16_to_f32)
 KVS_X86_DOT_FLOAT(kvs_x86_dot_f32, float, _mm256_loadu_ps, kvs_x86_f32)
 
 /* F32 -> BF16 rows as kvs_f32_to_bf16: round to nearest even on the upper
@@ -477,22 +470,29 @@ static inline __m256i kvs_x86_q5_high(const uint8_t qh[4])
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
 }
 
-/* Q4_1 x Q8_1: u = 0..15 (u * a pairs <= 3810 fit int16); the min term is
+/* Q4_1 / Q5_1 x Q8_1: unsigned quants u (Q4_1 0..15, Q5_1 0..31 with the
+ * fifth bit: u * a pairs <= 7874 fit int16) times d * d_y, plus the min term
  * m * s_y per block (s_y = d_y * sum of the Q8_1 quants). */
-static float kvs_x86_dot_q4_1(int64_t n, const void *w, const void *a)
-{
-    const kvs_block_q4_1 *x = w;
-    const kvs_block_q8_1 *y = a;
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
-    for (int64_t i = 0; i < n / KVS_QK; i++) {
-        __m256i p = kvs_x86_dpbusd(_mm256_setzero_si256(), kvs_x86_unpack_nibbles(x[i].qs),
-                                   _mm256_loadu_si256((const __m256i *)y[i].qs));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i].d) * KVS_F16(y[i].d)), _mm256_cvtepi32_ps(p), acc);
-        mins += KVS_F16(x[i].m) * KVS_F16(y[i].s);
+#define KVS_X86_DOT_MIN(NAME, BLOCK, UNPACK)                                                         \
+    static float NAME(int64_t n, const void *w, const void *a)                                     \
+    {                                                                                              \
+        const BLOCK *x = w;                                                                        \
+        const kvs_block_q8_1 *y = a;                                                               \
+        __m256 acc = _mm256_setzero_ps();                                                          \
+        float mins = 0.0f;                                                                         \
+        for (int64_t i = 0; i < n / KVS_QK; i++) {                                                 \
+            __m256i p = kvs_x86_dpbusd(_mm256_setzero_si256(), UNPACK,                              \
+                                       _mm256_loadu_si256((const __m256i *)y[i].qs));              \
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i].d) * KVS_F16(y[i].d)),              \
+                                  _mm256_cvtepi32_ps(p), acc);                                     \
+            mins += KVS_F16(x[i].m) * KVS_F16(y[i].s);                                             \
+        }                                                                                          \
+        return kvs_x86_hsum_ps(acc) + mins;                                                        \
     }
-    return kvs_x86_hsum_ps(acc) + mins;
-}
+
+KVS_X86_DOT_MIN(kvs_x86_dot_q4_1, kvs_block_q4_1, kvs_x86_unpack_nibbles(x[i].qs))
+KVS_X86_DOT_MIN(kvs_x86_dot_q5_1, kvs_block_q5_1,
+                _mm256_or_si256(kvs_x86_unpack_nibbles(x[i].qs), kvs_x86_q5_high(x[i].qh)))
 
 /* Q5_0 x Q8_0: q = (nibble | fifth bit << 4) - 16 in -16..15. */
 static float kvs_x86_dot_q5_0(int64_t n, const void *w, const void *a)
@@ -507,22 +507,6 @@ static float kvs_x86_dot_q5_0(int64_t n, const void *w, const void *a)
         acc = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i].d) * KVS_F16(y[i].d)), _mm256_cvtepi32_ps(p), acc);
     }
     return kvs_x86_hsum_ps(acc);
-}
-
-/* Q5_1 x Q8_1: u = 0..31 (u * a pairs <= 7874 fit int16), plus m * s_y. */
-static float kvs_x86_dot_q5_1(int64_t n, const void *w, const void *a)
-{
-    const kvs_block_q5_1 *x = w;
-    const kvs_block_q8_1 *y = a;
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
-    for (int64_t i = 0; i < n / KVS_QK; i++) {
-        __m256i u = _mm256_or_si256(kvs_x86_unpack_nibbles(x[i].qs), kvs_x86_q5_high(x[i].qh));
-        __m256i p = kvs_x86_dpbusd(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i *)y[i].qs));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i].d) * KVS_F16(y[i].d)), _mm256_cvtepi32_ps(p), acc);
-        mins += KVS_F16(x[i].m) * KVS_F16(y[i].s);
-    }
-    return kvs_x86_hsum_ps(acc) + mins;
 }
 
 /* --- Q2_K, Q3_K against Q8_K --------------------------------------------------- */
