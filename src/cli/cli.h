@@ -4,6 +4,8 @@
 #ifndef KVS_CLI_H
 #define KVS_CLI_H
 
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 struct kvs_cli_command {
@@ -37,6 +39,47 @@ int kvs_cli_parse_float(const char *s, float *out);
  * returns 0 and sets *out, or -1 and leaves *out as it was. */
 uint64_t kvs_cli_random_seed(void);
 int kvs_cli_parse_seed(const char *s, uint64_t *out);
+
+/* --- models from a URL (src/cli/cli_model.c) --- */
+
+/* True if s starts with http:// or https://. */
+bool kvs_cli_is_url(const char *s);
+/* The cache folder: given (--cache DIR) if not NULL/empty, else
+ * $XDG_CACHE_HOME/kvasir (when absolute), else $HOME/.cache/kvasir. 0, or -1
+ * when none can be named or it does not fit cap. Not created here. */
+int kvs_cli_cache_dir(const char *given, char *out, size_t cap);
+/* The cache file of url's window [begin, end) (0,0: the whole model) in
+ * folder cache: CACHE/<first 16 hex of SHA-256(url)>-<file name of the URL's
+ * path without .gguf>[.blkB-E].gguf. 0, or -1 if it does not fit. */
+int kvs_cli_model_cache_path(const char *cache, const char *url, uint32_t begin, uint32_t end, char *out,
+                             size_t cap);
+
+/* Storage for kvs_cli_model_args: the cached path that replaces the URL in
+ * argv (so it lives as long as argv is used) and the token header. */
+struct kvs_cli_model_store {
+    char path[4096];
+    char auth[1024];
+};
+/* Pre-pass of run, serve, stage and eval over argv[1..*argc): removes
+ * `--cache DIR`, `--header 'Name: value'` (repeatable) and `--hf-token TOKEN`
+ * (default: $HF_TOKEN; sent as "Authorization: Bearer TOKEN"), and when
+ * `-m/--model` is an http(s) URL, replaces it with the local file: the cached
+ * copy if there is one (no request at all), else a download through
+ * kvs_shard_fetch into the cache (progress on a terminal, resumable from
+ * the .part files, verified against URL.kvindex.json when the server has it).
+ * `stage` downloads only its window (--window, or its rank's in --manifest).
+ * With --help nothing is downloaded. Header values are never logged.
+ * Returns 0 (argv rewritten, *argc updated, argv[*argc] = NULL), 2 on a usage
+ * error, 1 if the download failed (messages on stderr). */
+int kvs_cli_model_args(const char *who, int *argc, char **argv, struct kvs_cli_model_store *st);
+/* The usage lines of the options above, for each subcommand's --help. */
+#define KVS_CLI_MODEL_URL_HELP                                                                              \
+    "  -m URL               an http(s) GGUF URL (a Hugging Face resolve/... link, a `kvasir seed` server):\n" \
+    "                       downloaded once into the cache (resumable; verified when URL.kvindex.json\n"    \
+    "                       exists), reused after without any request\n"                                     \
+    "  --cache DIR          model cache (default $XDG_CACHE_HOME/kvasir, else ~/.cache/kvasir)\n"            \
+    "  --header 'N: V'      extra HTTP header for the download (repeatable; never logged)\n"                 \
+    "  --hf-token TOKEN     sends 'Authorization: Bearer TOKEN' (default $HF_TOKEN; never logged)\n"
 
 /* 0 when g holds the whole model (a full GGUF, or a shard of every block);
  * else prints to stderr that PATH is a stage shard, which window it holds

@@ -21,6 +21,7 @@ static void eval_usage(FILE *f)
     fprintf(f, "usage: kvasir eval -m MODEL --tokens ID,ID,... [--top K] [--threads T] [--batch N]\n"
                "  Evaluates the ids teacher-forced and prints one JSON line per position:\n"
                "  {\"pos\": i, \"top\": [[id, prob], ...]} (K entries, default 8).\n");
+    fputs(KVS_CLI_MODEL_URL_HELP, f);
 }
 
 /* Parses "1,2,3" into a malloc'd array. Returns the count or -1. */

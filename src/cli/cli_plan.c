@@ -18,7 +18,7 @@ static void plan_usage(FILE *f)
                "decode that fits in memory) and writes the rank manifest for `kvasir stage --manifest`.\n"
                "\n"
                "  -m, --model PATH     GGUF model (only its header is read)\n"
-               "  --url URL            GGUF over HTTP (header only, range requests)\n"
+               "  -m URL, --url URL    GGUF over HTTP (header only, range requests: nothing else is downloaded)\n"
                "  --devices PATH       device inventory JSON (docs/PLAN.md)\n"
                "  --ctx N              context tokens per sequence (default min(model's, 4096))\n"
                "  --seqs S             concurrent sequences (default 1)\n"
@@ -61,7 +61,9 @@ int kvs_cli_plan(int argc, char **argv)
             return 2;
         }
         i++;
-        if (!strcmp(a, "-m") || !strcmp(a, "--model"))
+        if ((!strcmp(a, "-m") || !strcmp(a, "--model")) && kvs_cli_is_url(v))
+            url = v; /* the planner reads only the header: no download */
+        else if (!strcmp(a, "-m") || !strcmp(a, "--model"))
             model = v;
         else if (!strcmp(a, "--url"))
             url = v;

@@ -46,6 +46,7 @@ static void run_usage(FILE *f)
                "  --ring N             run as a local ring of N stage processes on loopback; with\n"
                "                       --ring, also --prompts FILE, --parallel P, --seqs S and\n"
                "                       --boundary f16|f32 (`kvasir run --ring 2 --help` explains them)\n");
+    fputs(KVS_CLI_MODEL_URL_HELP, f);
 }
 
 /* Returns 0 on success, 2 on a usage error, 1 if --help was printed. */

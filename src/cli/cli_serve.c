@@ -40,6 +40,7 @@ static void serve_usage(FILE *f)
                "  --max-body BYTES     request body cap (default 1048576)\n"
                "  --max-connections N  concurrent HTTP connections (default 64; more are refused)\n"
                "  --step-delay MS      test hook: sleep before every forward on every stage\n");
+    fputs(KVS_CLI_MODEL_URL_HELP, f);
 }
 
 static void *serve_loop(void *arg)

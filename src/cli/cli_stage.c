@@ -40,6 +40,7 @@ static void stage_usage(FILE *f)
                "head only, as a client of its own ring:\n"
                "  -p TEXT | --prompts FILE ('-' = stdin)   -n N  --temp T  --top-k K  --top-p P  --min-p P\n"
                "  --repeat-penalty R  --seed S  --ignore-eos  --parallel P\n", KVS_STAGE_POOL_SPIN);
+    fputs(KVS_CLI_MODEL_URL_HELP, f);
 }
 
 static void *stage_loop_thread(void *arg)

@@ -47,9 +47,18 @@ int main(int argc, char **argv)
                kvs_isa_name(kvs_kernels_isa(kvs_kernels_best())));
         return 0;
     }
-    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
-        if (!strcmp(argv[1], commands[i].name))
-            return commands[i].main(argc - 1, argv + 1);
+    struct kvs_cli_model_store store; /* a downloaded model's path, in argv until the command returns */
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
+        if (strcmp(argv[1], commands[i].name)) continue;
+        int sub_argc = argc - 1;
+        char **sub_argv = argv + 1;
+        if (!strcmp(argv[1], "run") || !strcmp(argv[1], "serve") || !strcmp(argv[1], "stage") ||
+            !strcmp(argv[1], "eval")) { /* -m URL, --cache, --header, --hf-token */
+            int rc = kvs_cli_model_args(argv[1], &sub_argc, sub_argv, &store);
+            if (rc) return rc;
+        }
+        return commands[i].main(sub_argc, sub_argv);
+    }
     fprintf(stderr, "kvasir: unknown command '%s'\n", argv[1]);
     usage(stderr);
     return 2;

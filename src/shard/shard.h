@@ -138,14 +138,19 @@ void kvs_shard_index_free(struct kvs_shard_index *ix);
 /* --- fetch ----------------------------------------------------------------- */
 
 struct kvs_shard_fetch_params {
-    const char *url;         /* the full model's URL (http[s]://...) */
-    uint32_t begin, end;     /* window */
+    const char *url;         /* the full model's URL (http[s]://...); redirects are followed */
+    uint32_t begin, end;     /* window; begin == end == 0: every block (n_block from the header) */
     const char *out_path;    /* STAGE.gguf; work files: out_path.part, out_path.part.state */
     const char *index;       /* optional: index URL or file path; NULL = no hash check */
     bool index_optional;     /* an index URL answering 404 means "no index" (logged), not an error */
     uint64_t limit_rate;     /* bytes/s, 0 = unlimited (tests use it to kill mid-way) */
     uint64_t initial_header; /* first header read, bytes; 0 = 1 MiB */
     int progress;            /* -1 auto (bar on a TTY), 0 none, 1 lines */
+    const char *const *headers; /* n_headers extra request headers ("Name: value", e.g. an
+                                 * Authorization token), sent with every request (model and index);
+                                 * never logged. curl does not resend them to another host or port
+                                 * after a redirect (a CDN gets the signed URL only). */
+    size_t n_headers;
 };
 struct kvs_shard_fetch_params kvs_shard_fetch_default_params(void);
 

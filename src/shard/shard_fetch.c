@@ -41,6 +41,7 @@ struct fetch {
     const struct kvs_shard_fetch_params *p;
     struct kvs_shard_fetch_stats *st;
     CURL *curl;
+    struct curl_slist *hdrs; /* p->headers, or NULL */
     char *errbuf;
     size_t errlen;
     kvs_err err;          /* set by a callback that aborted the transfer */
@@ -525,6 +526,8 @@ static kvs_err load_index(struct fetch *f, struct kvs_shard_index *ix)
     if (!g.curl)
         return KVS_ERR_NOMEM;
     curl_easy_setopt(g.curl, CURLOPT_URL, src);
+    if (f->hdrs)
+        curl_easy_setopt(g.curl, CURLOPT_HTTPHEADER, f->hdrs);
     curl_easy_setopt(g.curl, CURLOPT_FOLLOWLOCATION, 1L);
     curl_easy_setopt(g.curl, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(g.curl, CURLOPT_CONNECTTIMEOUT, 10L);
@@ -646,8 +649,12 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
     struct kvs_shard_fetch_stats st_local;
     struct kvs_shard_fetch_stats *st = stats ? stats : &st_local;
     memset(st, 0, sizeof *st);
-    if (!p || !p->url || !p->out_path || p->begin >= p->end)
+    if (!p || !p->url || !p->out_path || (p->begin >= p->end && (p->begin || p->end)))
         return kvs_shard__err(KVS_ERR_ARG, errbuf, errlen, "fetch needs a URL, an output path and a window");
+    /* A copy whose window is resolved from the header when it asks for every block. */
+    struct kvs_shard_fetch_params pw = *p;
+    const bool all_blocks = p->begin == 0 && p->end == 0;
+    p = &pw;
     struct fetch f = { .p = p, .st = st, .errbuf = errbuf, .errlen = errlen, .fd = -1 };
     struct kvs_gguf *g = NULL, *check = NULL;
     struct kvs_gguf_writer *w = NULL;
@@ -676,6 +683,16 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
         err = KVS_ERR_NOMEM;
         goto fail;
     }
+    for (size_t i = 0; i < p->n_headers; i++) {
+        struct curl_slist *nl = curl_slist_append(f.hdrs, p->headers[i]);
+        if (!nl) {
+            err = KVS_ERR_NOMEM;
+            goto fail;
+        }
+        f.hdrs = nl;
+    }
+    if (f.hdrs)
+        curl_easy_setopt(f.curl, CURLOPT_HTTPHEADER, f.hdrs);
     curl_easy_setopt(f.curl, CURLOPT_FOLLOWLOCATION, 1L);
     curl_easy_setopt(f.curl, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(f.curl, CURLOPT_CONNECTTIMEOUT, 10L);
@@ -689,6 +706,13 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
     err = fetch_header(&f, &g);
     if (err)
         goto fail;
+    if (all_blocks) {
+        err = kvs_shard_block_count(g, &pw.end);
+        if (err || pw.end == 0) {
+            err = ferr(&f, err ? err : KVS_ERR_FORMAT, "%s: the GGUF header gives no block count", p->url);
+            goto fail;
+        }
+    }
     err = kvs_shard_check(g, p->begin, p->end, errbuf, errlen);
     if (!err)
         err = kvs_shard_window_tensors(g, p->begin, p->end, &idx, &nidx, errbuf, errlen);
@@ -890,6 +914,7 @@ fail:
     EVP_MD_CTX_free(f.md);
     if (f.curl)
         curl_easy_cleanup(f.curl);
+    curl_slist_free_all(f.hdrs);
     curl_global_cleanup();
     free(f.state_path);
     return err;
