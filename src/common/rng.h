@@ -1,7 +1,9 @@
 /* A small, seeded, platform-independent PRNG: xoshiro256** 1.0 (Blackman,
  * Vigna 2018), its state expanded from a 64-bit seed by splitmix64 (Steele,
  * Lea, Flood 2014), as the xoshiro authors recommend. Used wherever runs must
- * be reproducible: sampling, synthetic weights. Not for cryptography. */
+ * be reproducible: synthetic weights, test data. (Sampling draws from a
+ * counter-based function of seed and position instead: sampler.h.) Not for
+ * cryptography. */
 #ifndef KVS_COMMON_RNG_H
 #define KVS_COMMON_RNG_H
 

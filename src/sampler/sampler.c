@@ -1,7 +1,6 @@
 /* Next-token sampler: see sampler.h for the contract and conventions. */
 #include "sampler/sampler.h"
 
-#include "common/rng.h"
 
 #include <float.h>
 #include <stdbool.h>
@@ -18,7 +17,7 @@ struct cand {
 struct kvs_sampler {
     struct kvs_sampler_params p;
     int32_t n_vocab;
-    struct kvs_rng rng;  /* xoshiro256** state (common/rng.h) */
+    uint64_t n_accepted; /* tokens accepted since create/reset: the next position */
     int32_t *recent;     /* ring buffer [cap] of accepted ids */
     int32_t cap;         /* 0 when the penalty is off */
     int32_t n_recent;    /* filled entries, <= cap */
@@ -43,10 +42,19 @@ struct kvs_sampler_params kvs_sampler_default_params(void)
     return p;
 }
 
-/* Uniform double in [0, 1) from the top 53 bits. */
-static double rng_uniform(struct kvs_rng *r)
+/* splitmix64's output function (see sampler.h). */
+static uint64_t mix64(uint64_t z)
 {
-    return (double)(kvs_rng_next(r) >> 11) * 0x1.0p-53;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+double kvs_sampler_uniform(uint64_t seed, uint64_t pos)
+{
+    const uint64_t g = 0x9e3779b97f4a7c15ULL;
+    const uint64_t key = mix64(seed + g);
+    return (double)(mix64(key + (pos + 1) * g) >> 11) * 0x1.0p-53;
 }
 
 kvs_err kvs_sampler_create(const struct kvs_sampler_params *p, int32_t n_vocab, struct kvs_sampler **out)
@@ -76,7 +84,6 @@ kvs_err kvs_sampler_create(const struct kvs_sampler_params *p, int32_t n_vocab, 
         kvs_sampler_free(s);
         return KVS_ERR_NOMEM;
     }
-    kvs_rng_seed(&s->rng, p->seed);
     *out = s;
     return KVS_OK;
 }
@@ -95,7 +102,10 @@ void kvs_sampler_free(struct kvs_sampler *s)
 
 void kvs_sampler_accept(struct kvs_sampler *s, int32_t id)
 {
-    if (!s || s->cap == 0 || id < 0 || id >= s->n_vocab)
+    if (!s)
+        return;
+    s->n_accepted++;
+    if (s->cap == 0 || id < 0 || id >= s->n_vocab)
         return;
     s->recent[s->head] = id;
     s->head = (s->head + 1) % s->cap;
@@ -109,7 +119,7 @@ void kvs_sampler_reset(struct kvs_sampler *s)
         return;
     s->n_recent = 0;
     s->head = 0;
-    kvs_rng_seed(&s->rng, s->p.seed);
+    s->n_accepted = 0;
 }
 
 /* Finite-izes one logit: NaN -> -inf, +inf -> FLT_MAX, so that orderings are
@@ -353,10 +363,15 @@ int32_t kvs_sampler_dist(struct kvs_sampler *s, const float *logits, const int32
 
 int32_t kvs_sampler_sample(struct kvs_sampler *s, const float *logits)
 {
-    int32_t n = build(s, logits, 0);
+    return kvs_sampler_sample_at(s, logits, s->n_accepted);
+}
+
+int32_t kvs_sampler_sample_at(struct kvs_sampler *s, const float *logits, uint64_t pos)
+{
+    int32_t n = build(s, logits, 1); /* the draw walks the rank order (sampler.h) */
     if (n == 1)
         return s->cand[0].id;
-    double u = rng_uniform(&s->rng), cum = 0.0;
+    double u = kvs_sampler_uniform(s->p.seed, pos), cum = 0.0;
     for (int32_t i = 0; i < n; i++) {
         cum += s->prob[i];
         if (u < cum)

@@ -1,7 +1,9 @@
 /* Next-token sampling: greedy, temperature, top-k, top-p, min-p, repetition
- * penalty; seeded and reproducible (same seed + same logits -> same tokens,
- * on every platform: the RNG is our own xoshiro256** generator seeded through
- * splitmix64, not rand()).
+ * penalty; seeded and reproducible on every platform. The random number of a
+ * draw is a pure function of the request's seed and the position of the token
+ * being drawn (kvs_sampler_uniform: counter-based, splitmix64), not a stream
+ * state: a replay of a request after a fault, on any tail, draws the same
+ * numbers (docs/PROTOCOL.md, "Sampling").
  *
  * Conventions follow llama.cpp's samplers (facts only): the repetition
  * penalty divides a positive logit by the penalty and multiplies a
@@ -33,7 +35,18 @@ struct kvs_sampler_params {
 
 struct kvs_sampler_params kvs_sampler_default_params(void);
 
-struct kvs_sampler; /* opaque: params + RNG state + recent tokens */
+struct kvs_sampler; /* opaque: params + position + recent tokens */
+
+/* The uniform number in [0, 1) drawn for the token at position pos (0-based,
+ * counting the prompt) of a request sampled with seed:
+ *   mix(z)  = z ^= z >> 30; z *= 0xbf58476d1ce4e5b9; z ^= z >> 27;
+ *             z *= 0x94d049bb133111eb; z ^= z >> 31        (all mod 2^64)
+ *   key     = mix(seed + G)                 G = 0x9e3779b97f4a7c15
+ *   bits    = mix(key + (pos + 1) * G)      (output pos+1 of splitmix64 seeded with key)
+ *   u       = (bits >> 11) * 2^-53
+ * (splitmix64: Steele, Lea, Flood 2014.) E.g. seed 0, pos 0: bits
+ * 0xa706dd2f4d197e6f, u 0.6524484863740322. */
+double kvs_sampler_uniform(uint64_t seed, uint64_t pos);
 
 /* n_vocab: length of the logits rows it will get (1..KVS_SAMPLER_MAX_VOCAB).
  * Allocates its work arrays once (about 13 bytes per vocab entry); sampling
@@ -43,10 +56,17 @@ struct kvs_sampler; /* opaque: params + RNG state + recent tokens */
  * caller: free with kvs_sampler_free (accepts NULL). */
 kvs_err kvs_sampler_create(const struct kvs_sampler_params *p, int32_t n_vocab, struct kvs_sampler **out);
 void kvs_sampler_free(struct kvs_sampler *s);
-/* Chooses a token from logits[n_vocab] (not modified). Order: repetition
- * penalty, greedy if temp <= 0, else top-k, temperature, softmax, top-p,
- * min-p, draw. Does not record the token: call accept. Returns an id in
- * [0, n_vocab). */
+/* Chooses a token from logits[n_vocab] (not modified) for position pos.
+ * Order: repetition penalty, greedy if temp <= 0, else top-k, temperature,
+ * softmax (in double), top-p, min-p, then the draw: with u =
+ * kvs_sampler_uniform(seed, pos), the first kept candidate (sorted by
+ * probability descending, ties by lower id) whose cumulative probability
+ * exceeds u (the last one if rounding leaves u above the sum). Does not
+ * record the token: call accept. Returns an id in [0, n_vocab). */
+int32_t kvs_sampler_sample_at(struct kvs_sampler *s, const float *logits, uint64_t pos);
+/* kvs_sampler_sample_at at the position = the number of tokens accepted since
+ * create/reset: the token's position when the caller accepts the prompt and
+ * every generated token, as `run` and the tail do. */
 int32_t kvs_sampler_sample(struct kvs_sampler *s, const float *logits);
 /* The distribution sample would draw from, without drawing (no RNG use):
  * *ids and *probs receive borrowed arrays (valid until the next call on s)
@@ -54,11 +74,12 @@ int32_t kvs_sampler_sample(struct kvs_sampler *s, const float *logits);
  * descending (ties: lower id first), probs renormalized to sum to 1. With
  * temp <= 0 it is the argmax with probability 1. */
 int32_t kvs_sampler_dist(struct kvs_sampler *s, const float *logits, const int32_t **ids, const float **probs);
-/* Records a token (prompt or generated) for the repetition penalty; ids
- * outside [0, n_vocab) are ignored. */
+/* Records a token (prompt or generated): advances the position by one, and
+ * remembers the id for the repetition penalty (ids outside [0, n_vocab) are
+ * not remembered). */
 void kvs_sampler_accept(struct kvs_sampler *s, int32_t id);
-/* Forgets the recorded tokens and reseeds the RNG with params.seed, so a
- * reset sampler repeats its sequence. */
+/* Forgets the recorded tokens and sets the position back to 0, so a reset
+ * sampler repeats its sequence. */
 void kvs_sampler_reset(struct kvs_sampler *s);
 
 #endif

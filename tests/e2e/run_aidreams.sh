@@ -36,6 +36,11 @@ seed=$(sed -n 's/.*sampling seed \([0-9]*\) .*/\1/p' "$tmpd/a.err")
 cmp -s "$tmpd/a" "$tmpd/b" || { echo "--seed $seed did not reproduce the text"; exit 1; }
 "$KVASIR_BIN" run -m "$model" -p "Once upon a time" -n 40 --temp 1.5 --seed -1 >/dev/null 2>"$tmpd/c.err"
 grep -q 'sampling seed [0-9]' "$tmpd/c.err" || { echo "--seed -1: no seed logged"; exit 1; }
+# A draw is a function of the seed and the token's position (docs/PROTOCOL.md, Sampling):
+# a ring's tail draws what one process draws.
+one=$("$KVASIR_BIN" run -m "$model" -p "Once upon a time" -n 40 --temp 0.9 --seed 5 2>/dev/null)
+two=$("$KVASIR_BIN" run --ring 2 --boundary f32 -m "$model" -p "Once upon a time" -n 40 --temp 0.9 --seed 5 2>/dev/null)
+[ -n "$one" ] && [ "$one" = "$two" ] || { echo "--seed 5: ring [$two], one process [$one]"; exit 1; }
 set +e
 "$KVASIR_BIN" run -m "$model" -p x --seed -2 >/dev/null 2>&1; rc=$?
 [ "$rc" = 2 ] || { echo "--seed -2: rc $rc, expected 2"; exit 1; }

@@ -10,6 +10,7 @@
 
 #include <cmocka.h>
 
+#include "common/error.h"
 #include "proto/proto.h"
 
 /* Builds header + payload into out; returns total length. */
@@ -492,10 +493,27 @@ static void test_trail(void **state)
     assert_int_equal(kvs_proto_check_header(&k, 0, 8, e, sizeof e), KVS_ERR_RANGE);
 }
 
+/* The ERROR codes on the wire are kvs_err values: the numbers docs/PROTOCOL.md
+ * §3.7 lists must stay what src/common/error.h gives them. */
+static void test_error_codes(void **st)
+{
+    (void)st;
+    static const struct { kvs_err e; unsigned code; } v[] = {
+        { KVS_ERR_ARG, 1 },        { KVS_ERR_NOMEM, 2 },     { KVS_ERR_IO, 3 },        { KVS_ERR_FORMAT, 4 },
+        { KVS_ERR_TRUNCATED, 5 },  { KVS_ERR_RANGE, 7 },     { KVS_ERR_UNSUPPORTED, 8 }, { KVS_ERR_NOT_FOUND, 9 },
+        { KVS_ERR_MISMATCH, 10 },  { KVS_ERR_HASH, 11 },     { KVS_ERR_NET, 12 },      { KVS_ERR_PEER, 13 },
+        { KVS_ERR_TIMEOUT, 14 },   { KVS_ERR_CANCELLED, 15 }, { KVS_ERR_FULL, 16 },    { KVS_ERR_INFEASIBLE, 17 },
+        { KVS_ERR_INTERNAL, 18 },  { KVS_ERR_NUMERIC, 19 },
+    };
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++)
+        assert_int_equal((unsigned)v[i].e, v[i].code);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_f16),
+        cmocka_unit_test(test_error_codes),
         cmocka_unit_test(test_trail),
         cmocka_unit_test(test_roundtrip_all_kinds),
         cmocka_unit_test(test_stream_of_frames),

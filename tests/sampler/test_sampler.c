@@ -264,7 +264,7 @@ static void test_min_p(void **st)
     assert_int_equal(ids[1], 1);
     assert_float_equal(pr[0], 2.0 / 3.0, 1e-6);
     for (int i = 0; i < 200; i++)
-        assert_int_not_equal(kvs_sampler_sample(s, L3), 0);
+        assert_int_not_equal(kvs_sampler_sample_at(s, L3, (uint64_t)i), 0);
     kvs_sampler_free(s);
     /* 0.2 keeps all; 0.6 keeps only the top */
     p.min_p = 0.2f;
@@ -423,8 +423,10 @@ static void test_penalty(void **st)
 
 static void draws(struct kvs_sampler *s, const float *l, int32_t *out, int n)
 {
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
         out[i] = kvs_sampler_sample(s, l);
+        kvs_sampler_accept(s, out[i]);
+    }
 }
 
 static void test_seeds(void **st)
@@ -463,23 +465,82 @@ static void test_seeds(void **st)
     kvs_sampler_free(c);
 }
 
-/* The first draws of seed 0 from {1,2,4}/7 are pinned, so a change in the
- * RNG or the draw shows up (cross-platform reproducibility). Computed by hand
- * (a separate Python transcription of splitmix64 + xoshiro256**): the first
- * outputs for seed 0 are 0x99ec5f36cb75f2b4, 0xbf6e1f784956452a,
- * 0x1a5f849d4933e6e0, i.e. u = 0.60126, 0.74777, 0.10302 from the top 53
- * bits. With every filter off the candidates stay in id order, cumulative
- * {1/7, 3/7, 1} = {0.1429, 0.4286, 1}: ids 2, 2, 0. */
+/* kvs_sampler_uniform against values computed by a separate Python
+ * transcription of the formula in sampler.h (not by this code):
+ * (seed, pos) -> bits: (0,0) 0xa706dd2f4d197e6f, (0,1) 0xb382a305f4414f5e,
+ * (42,0) 0x57e1faba65107204, (42,7) 0xbc16a3d4cc48678e,
+ * (12345678901234567,1000) 0x66602892aae9c424, (2^63-1, 2^32) 0xe741e7c69966a681. */
+static void test_uniform_vectors(void **st)
+{
+    (void)st;
+    static const struct { uint64_t seed, pos, bits; } v[] = {
+        { 0, 0, 0xa706dd2f4d197e6fULL },           { 0, 1, 0xb382a305f4414f5eULL },
+        { 42, 0, 0x57e1faba65107204ULL },          { 42, 7, 0xbc16a3d4cc48678eULL },
+        { 12345678901234567ULL, 1000, 0x66602892aae9c424ULL },
+        { 0x7fffffffffffffffULL, 1ULL << 32, 0xe741e7c69966a681ULL },
+    };
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+        double want = (double)(v[i].bits >> 11) * 0x1.0p-53;
+        assert_true(kvs_sampler_uniform(v[i].seed, v[i].pos) == want);
+    }
+    assert_true(kvs_sampler_uniform(0, 0) == 0.6524484863740322);
+    assert_true(kvs_sampler_uniform(42, 7) == 0.7347204584623639);
+}
+
+/* The draws over {1,2,4}/7 are pinned: the candidates walk the rank order
+ * (ids 2, 1, 0 with cumulative 4/7, 6/7, 1 = 0.571, 0.857, 1). Seed 0 gives
+ * u = 0.65245 (pos 0) -> id 1, 0.70121 (pos 1) -> id 1; seed 42 pos 0 gives
+ * 0.34329 -> id 2; seed 42 pos 7 gives 0.73472 -> id 1. */
 static void test_rng_pinned(void **st)
 {
     (void)st;
     struct kvs_sampler_params p = plain();
     p.seed = 0;
     struct kvs_sampler *s = make(&p, 3);
-    assert_int_equal(kvs_sampler_sample(s, L3), 2);
-    assert_int_equal(kvs_sampler_sample(s, L3), 2);
-    assert_int_equal(kvs_sampler_sample(s, L3), 0);
+    assert_int_equal(kvs_sampler_sample(s, L3), 1);
+    assert_int_equal(kvs_sampler_sample(s, L3), 1); /* nothing accepted: still position 0 */
+    kvs_sampler_accept(s, 1);
+    assert_int_equal(kvs_sampler_sample_at(s, L3, 1), 1);
     kvs_sampler_free(s);
+    p.seed = 42;
+    s = make(&p, 3);
+    assert_int_equal(kvs_sampler_sample(s, L3), 2);
+    assert_int_equal(kvs_sampler_sample_at(s, L3, 7), 1);
+    kvs_sampler_free(s);
+}
+
+/* Same seed + same position -> same draw, whatever came before: a sampler
+ * that accepted k tokens draws what a fresh one draws at position k (a
+ * replay on another tail), and a reset one starts over. */
+static void test_position_draws(void **st)
+{
+    (void)st;
+    enum { N = 500, NV = 64 };
+    float l[NV];
+    fill_logits(l, NV, 7);
+    for (int i = 0; i < NV; i++)
+        l[i] *= 0.3f;
+    struct kvs_sampler_params p = plain();
+    p.seed = 99;
+    struct kvs_sampler *a = make(&p, NV), *b = make(&p, NV);
+    static int32_t ra[N];
+    for (int i = 0; i < N; i++) {
+        ra[i] = kvs_sampler_sample(a, l);
+        kvs_sampler_accept(a, ra[i]);
+    }
+    int changes = 0;
+    for (int i = N - 1; i >= 0; i--) /* b draws the positions in another order */
+        assert_int_equal(kvs_sampler_sample_at(b, l, (uint64_t)i), ra[i]);
+    for (int i = 1; i < N; i++)
+        changes += ra[i] != ra[i - 1];
+    assert_true(changes > N / 2);
+    kvs_sampler_reset(a);
+    for (int i = 0; i < 10; i++) {
+        assert_int_equal(kvs_sampler_sample(a, l), ra[i]);
+        kvs_sampler_accept(a, ra[i]);
+    }
+    kvs_sampler_free(a);
+    kvs_sampler_free(b);
 }
 
 static void test_frequencies(void **st)
@@ -491,7 +552,7 @@ static void test_frequencies(void **st)
     struct kvs_sampler *s = make(&p, 3);
     int cnt[3] = { 0 };
     for (int i = 0; i < N; i++) {
-        int32_t id = kvs_sampler_sample(s, L3);
+        int32_t id = kvs_sampler_sample_at(s, L3, (uint64_t)i);
         assert_true(id >= 0 && id < 3);
         cnt[id]++;
     }
@@ -506,7 +567,7 @@ static void test_frequencies(void **st)
     s = make(&p, 3);
     memset(cnt, 0, sizeof cnt);
     for (int i = 0; i < N; i++)
-        cnt[kvs_sampler_sample(s, L3)]++;
+        cnt[kvs_sampler_sample_at(s, L3, (uint64_t)i)]++;
     assert_int_equal(cnt[0], 0);
     assert_float_equal(cnt[1] / (double)N, 0.2, 0.02);
     assert_float_equal(cnt[2] / (double)N, 0.8, 0.02);
@@ -555,7 +616,7 @@ static void test_full_vocab_filters(void **st)
     assert_float_equal(sum, 1.0, 1e-4);
     /* every draw lands inside the kept set */
     for (int k = 0; k < 20; k++) {
-        int32_t id = kvs_sampler_sample(s, l);
+        int32_t id = kvs_sampler_sample_at(s, l, (uint64_t)k);
         assert_true(exp((double)l[id] - mx) >= last * (1 - 1e-5));
     }
     kvs_sampler_free(s);
@@ -572,7 +633,7 @@ static void test_full_vocab_filters(void **st)
     for (int32_t j = 0; j < n; j++)
         assert_true((double)l[ids[j]] - mx >= log(0.01) - 1e-4);
     for (int k = 0; k < 20; k++) {
-        int32_t id = kvs_sampler_sample(s, l);
+        int32_t id = kvs_sampler_sample_at(s, l, (uint64_t)k);
         assert_true((double)l[id] - mx >= log(0.01) - 1e-4);
     }
     kvs_sampler_free(s);
@@ -597,7 +658,7 @@ static void test_sample_matches_dist(void **st)
     p.seed = 77;
     struct kvs_sampler *s = make(&p, NV);
     for (int i = 0; i < N; i++)
-        cnt[kvs_sampler_sample(s, l)]++;
+        cnt[kvs_sampler_sample_at(s, l, (uint64_t)i)]++;
     const int32_t *ids;
     const float *pr;
     int32_t n = kvs_sampler_dist(s, l, &ids, &pr);
@@ -625,7 +686,9 @@ int main(void)
         cmocka_unit_test(test_top_p_then_min_p),
         cmocka_unit_test(test_penalty),
         cmocka_unit_test(test_seeds),
+        cmocka_unit_test(test_uniform_vectors),
         cmocka_unit_test(test_rng_pinned),
+        cmocka_unit_test(test_position_draws),
         cmocka_unit_test(test_frequencies),
         cmocka_unit_test(test_full_vocab_filters),
         cmocka_unit_test(test_sample_matches_dist),
