@@ -26,6 +26,7 @@ int kvs_cli_shard(int argc, char **argv);    /* shard extract | index | fetch */
 int kvs_cli_seed(int argc, char **argv);     /* HTTP file server with ranges */
 int kvs_cli_plan(int argc, char **argv);     /* rank manifest from devices */
 int kvs_cli_bench(int argc, char **argv);    /* bench --probe */
+int kvs_cli_relay(int argc, char **argv);    /* WebSocket relay for ring edges */
 
 /* Option values. kvs_cli_parse_long reads a whole decimal integer in [lo, hi];
  * kvs_cli_parse_float a whole finite float (not NaN, not infinity). Both return 0 and set *out,

@@ -17,6 +17,7 @@ static const struct kvs_cli_command commands[] = {
     { "eval", "evaluate token ids teacher-forced; JSON top-k per position", kvs_cli_eval },
     { "gguf", "inspect (info) or create (synth) GGUF files", kvs_cli_gguf },
     { "plan", "place a model's blocks on devices: write a rank manifest", kvs_cli_plan },
+    { "relay", "WebSocket bridge for ring edges of stages behind NAT", kvs_cli_relay },
     { "run", "generate text from a prompt (one process, or a local ring)", kvs_cli_run },
     { "seed", "serve model files over HTTP with range requests", kvs_cli_seed },
     { "serve", "start a local ring and the OpenAI-compatible API", kvs_cli_serve },

@@ -11,6 +11,7 @@
 #ifndef KVS_LINK_H
 #define KVS_LINK_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -90,5 +91,61 @@ int kvs_link_backoff_ms(int attempt);
 
 /* Monotonic clock in milliseconds (CLOCK_MONOTONIC). */
 int64_t kvs_link_now_ms(void);
+
+/* --- WebSocket through a relay (docs/RELAY.md) ------------------------------ */
+
+/* Role preamble values (RELAY.md §3): the first byte a client sends on the stream. */
+#define KVS_RELAY_ROLE_UP 0x01   /* upstream end: the predecessor (dials, writes boundaries) */
+#define KVS_RELAY_ROLE_DOWN 0x02 /* downstream end: the successor (its in link) */
+#define KVS_RELAY_EDGE_MAX 64    /* edge id: 1..64 bytes of [A-Za-z0-9._-] */
+#define KVS_RELAY_TOKEN_HEX 64   /* edge token: hex of a 32-byte HMAC-SHA-256 */
+#define KVS_RELAY_SUBPROTOCOL "kvasir-relay.1"
+#define KVS_RELAY_MAX_MESSAGE (256u * 1024u) /* most payload bytes in one WebSocket message */
+
+/* A parsed relay URL: ws[s]://HOST[:PORT]/edge/EDGE_ID[?token=HEX]. */
+struct kvs_ws_url {
+    bool tls;                              /* wss:// */
+    char host[256];                        /* name, IPv4 or IPv6 (without brackets) */
+    uint16_t port;                         /* default 443 (wss) / 80 (ws) */
+    char edge[KVS_RELAY_EDGE_MAX + 1];     /* edge id */
+    char token[KVS_RELAY_TOKEN_HEX + 1];   /* "" when the URL carries none */
+};
+
+/* True when s begins with "ws://" or "wss://" (a relay URL rather than HOST:PORT). */
+bool kvs_ws_is_url(const char *s);
+/* Parses a relay URL into *u. Errors: KVS_ERR_ARG with a message naming the part
+ * (scheme, host, port, path, edge id, token: 64 hex digits). */
+kvs_err kvs_ws_url_parse(const char *url, struct kvs_ws_url *u, char *errbuf, size_t errlen);
+/* True when id[0..len) is a valid edge id (1..64 bytes of [A-Za-z0-9._-]). */
+bool kvs_relay_edge_valid(const char *id, size_t len);
+/* The edge token (RELAY.md §4): lowercase hex of HMAC-SHA-256(key = secret,
+ * message = "kvasir-relay-edge:" || edge id), 64 digits + NUL into out.
+ * Errors: KVS_ERR_ARG (bad edge id, empty secret), KVS_ERR_INTERNAL (OpenSSL). */
+kvs_err kvs_relay_token(const void *secret, size_t secret_len, const char *edge, char out[KVS_RELAY_TOKEN_HEX + 1]);
+/* Constant-time comparison of two NUL-terminated tokens (false if lengths differ). */
+bool kvs_relay_token_equal(const char *a, const char *b);
+
+struct kvs_ws_opts {
+    uint8_t role;        /* KVS_RELAY_ROLE_UP or KVS_RELAY_ROLE_DOWN */
+    const char *ca_file; /* wss: PEM file of the CA(s) to trust (a self-signed relay
+                          * certificate itself works); NULL: the system's store */
+    const char *token;   /* edge token; NULL: the URL's ?token= */
+    int ping_ms;         /* client ping period (0: 10000); the link is declared dead
+                          * after 3 periods without a byte from the relay */
+};
+
+/* Dials a relay (RELAY.md): TCP, TLS for wss:// (certificate checked against
+ * ca_file and the URL's host), the WebSocket upgrade on /edge/EDGE_ID with
+ * the token, then the role preamble — all within timeout_ms. The link is a
+ * byte stream like a TCP link (same kvs_link_ops contract; its fd is a local
+ * socket fed by a pump thread, so poll on it is exact): bytes written go to
+ * the far end of the edge once the relay pairs it, in order. The relay's
+ * refusals (close codes of RELAY.md §6) and a lost relay are logged and end
+ * the link with EOF (KVS_ERR_PEER on read). Errors: KVS_ERR_ARG (bad URL,
+ * role, missing token), KVS_ERR_NET (connect, TLS or upgrade failed: the
+ * reason in errbuf, e.g. the certificate check or the HTTP status),
+ * KVS_ERR_TIMEOUT, KVS_ERR_NOMEM. */
+kvs_err kvs_ws_dial(const char *url, const struct kvs_ws_opts *o, int timeout_ms, struct kvs_link **out,
+                    char *errbuf, size_t errlen);
 
 #endif

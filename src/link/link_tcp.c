@@ -1,5 +1,6 @@
 /* TCP transport: non-blocking sockets with TCP_NODELAY. */
 #include "link/link.h"
+#include "link/link_impl.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -57,11 +58,10 @@ static int set_nonblock(int fd)
     return fl < 0 ? -1 : fcntl(fd, F_SETFL, fl | O_NONBLOCK);
 }
 
-static kvs_err tcp_read(struct kvs_link *l, void *buf, size_t cap, size_t *got)
+kvs_err kvs_link_fd_read(int fd, void *buf, size_t cap, size_t *got)
 {
-    struct tcp_impl *t = l->impl;
     for (;;) {
-        ssize_t n = recv(t->fd, buf, cap, 0);
+        ssize_t n = recv(fd, buf, cap, 0);
         if (n > 0) {
             *got = (size_t)n;
             return KVS_OK;
@@ -74,13 +74,12 @@ static kvs_err tcp_read(struct kvs_link *l, void *buf, size_t cap, size_t *got)
     }
 }
 
-static kvs_err tcp_write(struct kvs_link *l, const void *buf, size_t len, int timeout_ms)
+kvs_err kvs_link_fd_write(int fd, const void *buf, size_t len, int timeout_ms)
 {
-    struct tcp_impl *t = l->impl;
     const uint8_t *p = buf;
     int64_t deadline = timeout_ms < 0 ? -1 : kvs_link_now_ms() + timeout_ms;
     while (len) {
-        ssize_t n = send(t->fd, p, len, MSG_NOSIGNAL);
+        ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
         if (n > 0) {
             p += n;
             len -= (size_t)n;
@@ -94,7 +93,7 @@ static kvs_err tcp_write(struct kvs_link *l, const void *buf, size_t len, int ti
                 if (left <= 0) return KVS_ERR_TIMEOUT;
                 wait = (int)left;
             }
-            struct pollfd pfd = { .fd = t->fd, .events = POLLOUT };
+            struct pollfd pfd = { .fd = fd, .events = POLLOUT };
             int r = poll(&pfd, 1, wait);
             if (r < 0 && errno != EINTR) return KVS_ERR_IO;
             if (r == 0) return KVS_ERR_TIMEOUT;
@@ -104,6 +103,16 @@ static kvs_err tcp_write(struct kvs_link *l, const void *buf, size_t len, int ti
         return KVS_ERR_IO;
     }
     return KVS_OK;
+}
+
+static kvs_err tcp_read(struct kvs_link *l, void *buf, size_t cap, size_t *got)
+{
+    return kvs_link_fd_read(((struct tcp_impl *)l->impl)->fd, buf, cap, got);
+}
+
+static kvs_err tcp_write(struct kvs_link *l, const void *buf, size_t len, int timeout_ms)
+{
+    return kvs_link_fd_write(((struct tcp_impl *)l->impl)->fd, buf, len, timeout_ms);
 }
 
 static int tcp_fd(const struct kvs_link *l)
