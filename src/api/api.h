@@ -41,6 +41,10 @@ struct kvs_api_params {
     uint16_t port;           /* 0: any free port (see kvs_api_port) */
     const char *model_name;  /* id reported in responses and /v1/models; NULL: file name of model_path */
     const char *model_path;  /* GGUF read once at start for tokenizer.chat_template; NULL: no chat */
+    const char *chat_template; /* "chatml" | "llama3": used for /v1/chat/completions whatever the
+                                * GGUF says; NULL: the GGUF's family, and ChatML (logged) when it
+                                * has no template or one of another family, as llama-server does
+                                * (then with BOS when the tokenizer adds one, as for a completion) */
     size_t max_body;         /* request body cap in bytes (default 1 MiB) -> 413 above it */
     int32_t max_connections; /* concurrent connections (default 64) */
     int32_t stage_index;     /* label of this stage in /metrics (default 0) */
@@ -52,7 +56,7 @@ struct kvs_api; /* opaque */
 /* Starts the HTTP server for head (a head stage: kvs_stage_is_head; borrowed,
  * must outlive the API). The stage loop (kvs_stage_run) is expected to run on
  * its own thread; requests that arrive before the ring is whole get 503.
- * Errors: KVS_ERR_ARG (not a head, bad params), KVS_ERR_IO (model_path
+ * Errors: KVS_ERR_ARG (not a head, bad params, an unknown chat_template), KVS_ERR_IO (model_path
  * unreadable), KVS_ERR_NET (cannot listen: errbuf says why). *out: free with
  * kvs_api_stop. */
 kvs_err kvs_api_start(struct kvs_stage *head, const struct kvs_api_params *p, struct kvs_api **out,

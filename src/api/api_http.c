@@ -35,6 +35,7 @@ struct kvs_api {
     struct kvs_api_params p;
     char model[256];
     enum kvs_chat_template chat;
+    bool chat_fallback; /* ChatML chosen for a model without a template: BOS as its tokenizer says */
     struct MHD_Daemon *d;
     uint16_t port;
     volatile int stopping; /* read by connection threads; set once by kvs_api_stop */
@@ -510,7 +511,7 @@ static kvs_err build_prompt(struct kvs_api *a, struct job *j, int32_t **ids, int
         char *s = malloc((size_t)need + 1);
         if (!s) goto nomem;
         kvs_chat_render(a->chat, rq->messages, rq->n_messages, true, s, (size_t)need + 1);
-        bool bos = kvs_chat_wants_bos(a->chat) && kvs_tokenizer_add_bos(a->tok);
+        bool bos = (a->chat_fallback || kvs_chat_wants_bos(a->chat)) && kvs_tokenizer_add_bos(a->tok);
         e = tokenize_text(a->tok, s, (size_t)need, bos, ids, n);
         free(s);
     } else if (rq->prompt) {
@@ -919,6 +920,10 @@ kvs_err kvs_api_start(struct kvs_stage *head, const struct kvs_api_params *p, st
         snprintf(errbuf, errlen, "kvs_api_start needs a head stage and valid params");
         return KVS_ERR_ARG;
     }
+    if (p->chat_template && kvs_chat_from_name(p->chat_template) == KVS_CHAT_NONE) {
+        snprintf(errbuf, errlen, "unknown chat template '%s' (chatml or llama3)", p->chat_template);
+        return KVS_ERR_ARG;
+    }
     struct kvs_api *a = calloc(1, sizeof *a);
     if (!a) return KVS_ERR_NOMEM;
     a->head = head;
@@ -947,10 +952,22 @@ kvs_err kvs_api_start(struct kvs_stage *head, const struct kvs_api_params *p, st
         }
         const char *tpl;
         size_t tl;
-        if (!kvs_gguf_get_str(g, "tokenizer.chat_template", &tpl, &tl) && tl <= MAX_TEMPLATE)
+        bool has_tpl = !kvs_gguf_get_str(g, "tokenizer.chat_template", &tpl, &tl);
+        if (has_tpl && tl <= MAX_TEMPLATE)
             a->chat = kvs_chat_detect(tpl, tl);
         kvs_gguf_close(g);
-        KVS_LOGI("api: model '%s', chat template %s", a->model, kvs_chat_name(a->chat));
+        if (p->chat_template) {
+            a->chat = kvs_chat_from_name(p->chat_template);
+            KVS_LOGI("api: model '%s', chat template %s (--chat-template)", a->model, kvs_chat_name(a->chat));
+        } else if (a->chat == KVS_CHAT_NONE) {
+            a->chat = KVS_CHAT_CHATML;
+            a->chat_fallback = true;
+            KVS_LOGI("api: model '%s' has %s: /v1/chat/completions falls back to ChatML "
+                     "(--chat-template chatml|llama3 chooses one)",
+                     a->model, has_tpl ? "a chat template of no supported family" : "no chat template");
+        } else {
+            KVS_LOGI("api: model '%s', chat template %s", a->model, kvs_chat_name(a->chat));
+        }
     }
 
     struct sockaddr_in sa = { 0 };

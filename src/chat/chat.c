@@ -38,6 +38,15 @@ const char *kvs_chat_name(enum kvs_chat_template t)
     return "none";
 }
 
+enum kvs_chat_template kvs_chat_from_name(const char *name)
+{
+    if (name && !strcmp(name, "chatml"))
+        return KVS_CHAT_CHATML;
+    if (name && !strcmp(name, "llama3"))
+        return KVS_CHAT_LLAMA3;
+    return KVS_CHAT_NONE;
+}
+
 /* Appends to out while there is room (keeping one byte for the NUL) and
  * counts everything; flags overflow of the count. */
 struct strbuf {

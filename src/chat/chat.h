@@ -43,5 +43,8 @@ bool kvs_chat_wants_bos(enum kvs_chat_template t);
 
 /* Name of the template family ("none", "chatml", "llama3"). Static string. */
 const char *kvs_chat_name(enum kvs_chat_template t);
+/* The family named name ("chatml" or "llama3", as kvs_chat_name spells them);
+ * KVS_CHAT_NONE for NULL or any other name. */
+enum kvs_chat_template kvs_chat_from_name(const char *name);
 
 #endif

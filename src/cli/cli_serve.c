@@ -33,6 +33,8 @@ static void serve_usage(FILE *f)
                "  --port P             HTTP port (default 8080; 0 = any free port, logged)\n"
                "  --host ADDR          IPv4 address to listen on (default 127.0.0.1)\n"
                "  --model-name NAME    model id in the API (default: the file name)\n"
+               "  --chat-template NAME chatml | llama3 for /v1/chat/completions (default: the GGUF's; ChatML,\n"
+               "                       logged, when it has none, as llama-server does)\n"
                "  --threads T          compute threads per stage (default 2)\n"
                "  --ctx N              context length (default min(model's, 4096))\n"
                "  --seqs S             sequence slots per stage (default 4)\n"
@@ -52,7 +54,7 @@ static void *serve_loop(void *arg)
 
 int kvs_cli_serve(int argc, char **argv)
 {
-    const char *model = NULL, *host = "127.0.0.1", *name = NULL;
+    const char *model = NULL, *host = "127.0.0.1", *name = NULL, *chat_template = NULL;
     long ring = 1, port = 8080, threads = 2, n_ctx = 0, seqs = 4, max_body = 1 << 20, delay = 0, max_conn = 64;
     bool f32 = false;
     for (int i = 1; i < argc; i++) {
@@ -73,6 +75,7 @@ int kvs_cli_serve(int argc, char **argv)
         else if (!strcmp(a, "--port")) bad = kvs_cli_parse_long(v, 0, 65535, &port);
         else if (!strcmp(a, "--host")) host = v;
         else if (!strcmp(a, "--model-name")) name = v;
+        else if (!strcmp(a, "--chat-template")) chat_template = v;
         else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) bad = kvs_cli_parse_long(v, 1, 512, &threads);
         else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) bad = kvs_cli_parse_long(v, 1, 1 << 24, &n_ctx);
         else if (!strcmp(a, "--seqs")) bad = kvs_cli_parse_long(v, 1, 1024, &seqs);
@@ -141,6 +144,7 @@ int kvs_cli_serve(int argc, char **argv)
     ap.port = (uint16_t)port;
     ap.model_path = model;
     ap.model_name = name;
+    ap.chat_template = chat_template;
     ap.max_body = (size_t)max_body;
     ap.max_connections = (int32_t)max_conn;
     if ((e = kvs_api_start(head, &ap, &api, err, sizeof err))) {

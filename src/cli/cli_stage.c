@@ -36,7 +36,9 @@ static void stage_usage(FILE *f)
                "  --spin N             pool spin before idle compute threads sleep (0: default, %d, short, for\n"
                "                       stages sharing cores; -1: the long single-process spin; KVASIR_SPIN wins)\n"
                "  --step-delay MS      test hook: sleep before every forward\n"
-               "  --api PORT           HTTP API on the head (served by the api module when built)\n"
+               "  --api PORT           OpenAI-compatible HTTP API on the head (as `kvasir serve`)\n"
+               "  --api-host ADDR      IPv4 address the API listens on (default 127.0.0.1; 0.0.0.0 = all)\n"
+               "  --chat-template NAME chatml | llama3 (default: the GGUF's, else ChatML)\n"
                "head only, as a client of its own ring:\n"
                "  -p TEXT | --prompts FILE ('-' = stdin)   -n N  --temp T  --top-k K  --top-p P  --min-p P\n"
                "  --repeat-penalty R  --seed S  --ignore-eos  --parallel P\n", KVS_STAGE_POOL_SPIN);
@@ -53,7 +55,8 @@ static void *stage_loop_thread(void *arg)
  * thread, the API on libmicrohttpd's threads; the calling thread waits for
  * SIGINT/SIGTERM/SIGHUP on sfd, then stops the API before the stage (the API
  * needs the loop to finish its requests). */
-static int stage_serve_api(struct kvs_stage *s, const struct kvs_stage_params *p, uint16_t port, int sfd)
+static int stage_serve_api(struct kvs_stage *s, const struct kvs_stage_params *p, const char *host, uint16_t port,
+                           const char *chat_template, int sfd)
 {
     pthread_t th;
     if (pthread_create(&th, NULL, stage_loop_thread, s) != 0) {
@@ -61,8 +64,10 @@ static int stage_serve_api(struct kvs_stage *s, const struct kvs_stage_params *p
         return 1;
     }
     struct kvs_api_params ap = kvs_api_default_params();
+    ap.bind_addr = host;
     ap.port = port;
     ap.model_path = p->model_path;
+    ap.chat_template = chat_template;
     struct kvs_api *a = NULL;
     char err[256];
     kvs_err e = kvs_api_start(s, &ap, &a, err, sizeof err);
@@ -71,7 +76,7 @@ static int stage_serve_api(struct kvs_stage *s, const struct kvs_stage_params *p
         fprintf(stderr, "kvasir stage: API on port %u: %s (%s)\n", (unsigned)port, err, kvs_strerror(e));
         rc = 1;
     } else {
-        KVS_LOGI("stage: API on http://127.0.0.1:%u", (unsigned)kvs_api_port(a));
+        KVS_LOGI("stage: API on http://%s:%u", host, (unsigned)kvs_api_port(a));
         struct pollfd pfd = { .fd = sfd, .events = POLLIN };
         while (poll(&pfd, 1, -1) < 0 && errno == EINTR) {
         }
@@ -88,7 +93,7 @@ int kvs_cli_stage(int argc, char **argv)
     struct kvs_ring_client_opts co = { .parallel = 1, .n_predict = 128, .ready_timeout_ms = 30000 };
     co.sp = kvs_sampler_default_params();
     co.sp.seed = kvs_cli_random_seed(); /* --seed S or -1 overrides */
-    const char *manifest = NULL, *window = NULL;
+    const char *manifest = NULL, *window = NULL, *api_host = "127.0.0.1", *chat_template = NULL;
     long rank = -1, lv = 0, api = 0;
     /* flags given on the command line override the manifest's targets */
     bool ctx_set = false, seqs_set = false, boundary_set = false;
@@ -143,6 +148,8 @@ int kvs_cli_stage(int argc, char **argv)
             bad = kvs_cli_parse_long(v, 0, 60000, &lv);
             p.step_delay_ms = (int32_t)lv;
         } else if (!strcmp(a, "--api")) bad = kvs_cli_parse_long(v, 1, 65535, &api);
+        else if (!strcmp(a, "--api-host")) api_host = v;
+        else if (!strcmp(a, "--chat-template")) chat_template = v;
         else if (kvs_ring_client_opt(a, v, &co, &bad)) {
         } else {
             fprintf(stderr, "kvasir stage: unknown option: %s\n", a);
@@ -245,7 +252,7 @@ int kvs_cli_stage(int argc, char **argv)
             fprintf(stderr, "kvasir stage: --api needs the head (window starting at 0)\n");
             rc = 2;
         } else {
-            rc = stage_serve_api(s, &p, (uint16_t)api, sfd);
+            rc = stage_serve_api(s, &p, api_host, (uint16_t)api, chat_template, sfd);
         }
     } else {
         rc = kvs_stage_run(s) == KVS_OK ? 0 : 1;

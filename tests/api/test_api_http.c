@@ -128,6 +128,10 @@ static void test_start_args(void **state)
     ap.bind_addr = "not-an-address";
     assert_int_equal(kvs_api_start(f->head, &ap, &a, err, sizeof err), KVS_ERR_ARG);
     ap = kvs_api_default_params();
+    ap.chat_template = "vicuna"; /* not a family this API renders */
+    assert_int_equal(kvs_api_start(f->head, &ap, &a, err, sizeof err), KVS_ERR_ARG);
+    assert_non_null(strstr(err, "unknown chat template 'vicuna'"));
+    ap = kvs_api_default_params();
     ap.port = f->port; /* taken */
     assert_int_equal(kvs_api_start(f->head, &ap, &a, err, sizeof err), KVS_ERR_NET);
     assert_null(a);
@@ -182,8 +186,8 @@ static void test_routes(void **state)
 
     const char *chat = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}";
     http(f->port, "POST", "/v1/chat/completions", chat, strlen(chat), &r);
-    assert_int_equal(r.status, 400); /* aidreams260K has no chat template */
-    assert_non_null(strstr(r.body, "\"code\":\"no_chat_template\""));
+    assert_int_equal(r.status, 503); /* no chat template in aidreams260K: ChatML, then the ring check */
+    assert_non_null(strstr(r.body, "\"code\":\"ring_unavailable\""));
     free(r.all);
 
     const char *ok = "{\"prompt\":\"Once upon a time\"}";
@@ -208,9 +212,9 @@ static void test_routes(void **state)
     http(f->port, "GET", "/metrics", "", 0, &r);
     assert_int_equal(r.status, 200);
     assert_non_null(strstr(r.all, "Content-Type: text/plain; version=0.0.4"));
-    /* 400 x3 (max_tokens, bad JSON, no template) + 413 x2 = 5 invalid; 1 unavailable */
-    assert_non_null(strstr(r.body, "\nkvasir_requests_total{status=\"invalid\"} 5\n"));
-    assert_non_null(strstr(r.body, "\nkvasir_requests_total{status=\"unavailable\"} 1\n"));
+    /* 400 x2 (max_tokens, bad JSON) + 413 x2 = 4 invalid; 2 unavailable (the chat, a completion) */
+    assert_non_null(strstr(r.body, "\nkvasir_requests_total{status=\"invalid\"} 4\n"));
+    assert_non_null(strstr(r.body, "\nkvasir_requests_total{status=\"unavailable\"} 2\n"));
     assert_non_null(strstr(r.body, "\nkvasir_requests_total{status=\"ok\"} 0\n"));
     assert_non_null(strstr(r.body, "\nkvasir_ring_ready 0\n"));
     assert_non_null(strstr(r.body, "\nkvasir_prompt_tokens_total 0\n"));

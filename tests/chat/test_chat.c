@@ -135,9 +135,22 @@ static void test_qwen3_template(void **state)
     free(tpl);
 }
 
+static void test_from_name(void **st)
+{
+    (void)st;
+    assert_int_equal(kvs_chat_from_name("chatml"), KVS_CHAT_CHATML);
+    assert_int_equal(kvs_chat_from_name("llama3"), KVS_CHAT_LLAMA3);
+    assert_int_equal(kvs_chat_from_name("ChatML"), KVS_CHAT_NONE);
+    assert_int_equal(kvs_chat_from_name("none"), KVS_CHAT_NONE);
+    assert_int_equal(kvs_chat_from_name(NULL), KVS_CHAT_NONE);
+    for (int t = KVS_CHAT_CHATML; t <= KVS_CHAT_LLAMA3; t++)
+        assert_int_equal(kvs_chat_from_name(kvs_chat_name((enum kvs_chat_template)t)), t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_from_name),
         cmocka_unit_test(test_detect), cmocka_unit_test(test_chatml),         cmocka_unit_test(test_llama3),
         cmocka_unit_test(test_errors), cmocka_unit_test(test_qwen3_template),
     };

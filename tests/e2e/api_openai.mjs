@@ -188,6 +188,28 @@ for (const bad of [{ ...req, max_tokens: 0 }, { ...req, temperature: 5 }, { ...r
   assert.equal(text, r.choices[0].message.content, 'greedy stream equals greedy non-stream');
   assert.equal(finish, r.choices[0].finish_reason);
 }
+// chat on aidreams260K, which has no chat template: ChatML fallback (as llama-server);
+// the stream equals the completion of the ChatML text by hand (greedy)
+{
+  const msgs = [{ role: 'user', content: 'Once upon a time' }];
+  let text = '';
+  let first = null;
+  let finish = null;
+  let n = 0;
+  for await (const ch of await tiny.chat.completions.create({ model: 'aidreams260K', messages: msgs, max_tokens: 20, temperature: 0, stream: true })) {
+    assert.equal(ch.object, 'chat.completion.chunk');
+    assert.match(ch.id, /^chatcmpl-/);
+    if (!first) first = ch.choices[0].delta;
+    text += ch.choices[0].delta.content ?? '';
+    if (ch.choices[0].finish_reason) finish = ch.choices[0].finish_reason;
+    n++;
+  }
+  assert.equal(first.role, 'assistant');
+  assert.ok(text.length > 0 && n >= 2, `chat stream gave '${text}' in ${n} chunks`);
+  assert.ok(['stop', 'length'].includes(finish));
+  const byHand = await tiny.completions.create({ model: 'aidreams260K', prompt: '<|im_start|>user\nOnce upon a time<|im_end|>\n<|im_start|>assistant\n', max_tokens: 20, temperature: 0 });
+  assert.equal(text, byHand.choices[0].text, 'ChatML fallback renders <|im_start|>role\\ncontent<|im_end|>\\n');
+}
 // the ring breaks mid-stream (the tail stage dies): the stream ends with an
 // error event (the client raises APIError), then /health and requests say 503
 {

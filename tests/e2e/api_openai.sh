@@ -62,6 +62,8 @@ if [ $rc != 0 ]; then
     echo "--- chat server log"; tail -30 "$tmp/chat.log"
     exit 1
 fi
+grep -q "has no chat template: /v1/chat/completions falls back to ChatML" "$tmp/tiny.log" ||
+    { echo "no ChatML fallback line in the log"; exit 1; }
 # SIGTERM stops the server and its stage child.
 kill "${pids[0]}"
 for _ in $(seq 50); do kill -0 "${pids[0]}" 2>/dev/null || break; sleep 0.1; done
