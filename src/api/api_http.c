@@ -315,8 +315,19 @@ static void job_account(struct job *j)
     a->met.in_flight--;
     kvs_api_hist_add(&a->met.request_seconds, (double)(now_ns() - j->t_start) / 1e9);
     pthread_mutex_unlock(&a->met.mu);
-    KVS_LOGD("api: %s %s: %d prompt + %d generated tokens", j->id, j->failed ? "failed" : j->finish,
-             (int)j->n_prompt, (int)j->n_gen);
+    /* One line per request: outcome (HTTP status), tokens, milliseconds. */
+    const char *route = j->rq.kind == KVS_API_CHAT ? "/v1/chat/completions" : "/v1/completions";
+    const char *how = j->rq.stream ? " stream" : "";
+    const double ms = (double)(now_ns() - j->t_start) / 1e6;
+    if (s == KVS_API_STATUS_OK)
+        KVS_LOGI("api: %s %s%s 200 %s: %d prompt + %d generated tokens, %.1f ms", j->id, route, how,
+                 j->finish ? j->finish : "stop", (int)j->n_prompt, (int)j->n_gen, ms);
+    else if (s == KVS_API_STATUS_CANCELLED)
+        KVS_LOGI("api: %s %s%s cancelled: %d prompt + %d generated tokens, %.1f ms", j->id, route, how,
+                 (int)j->n_prompt, (int)j->n_gen, ms);
+    else
+        KVS_LOGI("api: %s %s%s %d failed: %s; %d prompt + %d generated tokens, %.1f ms", j->id, route, how,
+                 j->started_stream ? 200 : j->error.status, j->error.message, (int)j->n_prompt, (int)j->n_gen, ms);
 }
 
 /* --- responses ---------------------------------------------------------------- */
@@ -686,6 +697,8 @@ static enum MHD_Result handle_generate(struct kvs_api *a, struct MHD_Connection 
 
 reject:
     free(ids);
+    KVS_LOGI("api: %s %d: %s", kind == KVS_API_CHAT ? "/v1/chat/completions" : "/v1/completions", err.status,
+             err.message);
     count_status(a, err.status == 503 ? KVS_API_STATUS_UNAVAILABLE
                     : err.status >= 500 ? KVS_API_STATUS_ERROR
                                         : KVS_API_STATUS_INVALID);

@@ -41,6 +41,32 @@ int kvs_cli_parse_float(const char *s, float *out);
 uint64_t kvs_cli_random_seed(void);
 int kvs_cli_parse_seed(const char *s, uint64_t *out);
 
+/* --- the summary after the text (run, run --ring, stage -p) --- */
+
+/* Milliseconds on the monotonic clock. */
+double kvs_cli_now_ms(void);
+/* Cores this process may run on (sched_getaffinity), at least 1: the default
+ * of --threads (a local ring of N stages gives each max(1, cores / N)). */
+long kvs_cli_default_threads(void);
+
+struct kvs_cli_summary {
+    double load_ms;       /* process start (or ring start) to ready to compute; < 0 unknown */
+    int64_t n_requests;   /* 1 for run; the prompts of --prompts */
+    int64_t n_failed;
+    int64_t n_prompt;     /* prompt tokens (all requests) */
+    double prompt_ms;     /* submit to first token (prefill + one sample / ring trip), summed */
+    int64_t n_gen;        /* generated tokens (all requests) */
+    int64_t n_decode;     /* decode steps: generated tokens after each request's first */
+    double decode_ms;     /* first token to last, summed over requests */
+    double ttft_ms;       /* time to first token (one request), or the median over requests */
+    double wall_ms;       /* several requests: first submit to last end (for tokens/s overall); else 0 */
+};
+/* Writes the summary to stderr in one write, llama.cpp-like, e.g.
+ *   summary: load 12.3 ms | prompt 5 tokens in 3.2 ms (1562.5 tok/s) | generated 60 tokens,
+ *   59 decode steps in 120.0 ms (491.7 tok/s) | time to first token 3.5 ms
+ * (one line; several requests add "N requests (F failed)" and the overall tok/s). */
+void kvs_cli_print_summary(const struct kvs_cli_summary *s);
+
 /* --- models from a URL (src/cli/cli_model.c) --- */
 
 /* True if s starts with http:// or https://. */

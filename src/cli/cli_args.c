@@ -1,5 +1,6 @@
 /* Number arguments shared by the subcommands (see cli.h). */
 #include <errno.h>
+#include <sched.h>
 #include <math.h>
 #include <string.h>
 #include <stdlib.h>
@@ -69,4 +70,47 @@ int kvs_cli_need_whole_model(const struct kvs_gguf *g, const char *who, const ch
             "as one stage of a ring: kvasir stage -m %s --window %u:%u --listen HOST:PORT --next HOST:PORT\n",
             who, path, d, who, path, b, e);
     return 1;
+}
+
+double kvs_cli_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+long kvs_cli_default_threads(void)
+{
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        int n = CPU_COUNT(&set);
+        if (n > 0) return n > 512 ? 512 : n;
+    }
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (n > 512 ? 512 : n) : 1;
+}
+
+void kvs_cli_print_summary(const struct kvs_cli_summary *s)
+{
+    char line[768];
+    size_t k = 0;
+#define ADD(...) k += (size_t)snprintf(line + k, k < sizeof line ? sizeof line - k : 0, __VA_ARGS__)
+    ADD("summary:");
+    if (s->load_ms >= 0) ADD(" load %.1f ms |", s->load_ms);
+    if (s->n_requests > 1 || s->n_failed)
+        ADD(" %lld requests (%lld failed) |", (long long)s->n_requests, (long long)s->n_failed);
+    ADD(" prompt %lld tokens in %.1f ms (%.1f tok/s) |", (long long)s->n_prompt, s->prompt_ms,
+        s->prompt_ms > 0 ? (double)s->n_prompt * 1e3 / s->prompt_ms : 0.0);
+    ADD(" generated %lld tokens, %lld decode steps in %.1f ms (%.1f tok/s)", (long long)s->n_gen,
+        (long long)s->n_decode, s->decode_ms, s->decode_ms > 0 ? (double)s->n_decode * 1e3 / s->decode_ms : 0.0);
+    if (s->wall_ms > 0)
+        ADD(", %.1f tok/s overall", (double)s->n_gen * 1e3 / s->wall_ms);
+    ADD(" | time to first token %.1f ms%s\n", s->ttft_ms, s->n_requests > 1 ? " (median)" : "");
+#undef ADD
+    if (k >= sizeof line) {
+        line[sizeof line - 2] = '\n';
+        line[sizeof line - 1] = '\0';
+    }
+    fputs(line, stderr);
 }

@@ -52,7 +52,7 @@ static int64_t eval_parse_tokens(const char *s, int32_t **out)
 int kvs_cli_eval(int argc, char **argv)
 {
     const char *model_path = NULL, *tokens = NULL;
-    long top = 8, threads = 2, batch = 512;
+    long top = 8, threads = kvs_cli_default_threads(), batch = 512;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;

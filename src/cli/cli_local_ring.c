@@ -66,6 +66,9 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
         return 2;
     }
     const int n = o->n;
+    /* --threads default: this process's cores shared by the stages on this machine */
+    long threads = o->threads > 0 ? o->threads : kvs_cli_default_threads() / n;
+    if (threads < 1) threads = 1;
     lr->n = n;
     lr->n_block = hp.n_block;
     lr->ports = calloc((size_t)n, sizeof *lr->ports);
@@ -93,20 +96,28 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
     }
     self[sl] = '\0';
 
-    char a_listen[64], a_next[64], a_win[64], a_thr[16], a_ctx[16], a_seq[16], a_delay[16];
+    char a_listen[64], a_next[64], a_win[64], a_thr[24], a_ctx[16], a_seq[16], a_delay[16];
     for (int r = 1; r < n; r++) {
         int b = (int)((long)r * hp.n_block / n), en = (int)((long)(r + 1) * hp.n_block / n);
         snprintf(a_listen, sizeof a_listen, "127.0.0.1:%d", lr->ports[r]);
         snprintf(a_next, sizeof a_next, "127.0.0.1:%d", lr->ports[(r + 1) % n]);
         snprintf(a_win, sizeof a_win, "%d:%d", b, en);
-        snprintf(a_thr, sizeof a_thr, "%ld", o->threads);
+        snprintf(a_thr, sizeof a_thr, "%ld", threads);
         snprintf(a_ctx, sizeof a_ctx, "%ld", o->n_ctx);
         snprintf(a_seq, sizeof a_seq, "%ld", o->seqs);
         snprintf(a_delay, sizeof a_delay, "%ld", o->step_delay_ms);
+        /* run --ring: the stage processes log warnings and errors only, unless the user chose a
+         * level (KVASIR_LOG, -v, --log-level: inherited through the environment). */
+        const bool quiet = !strcmp(o->who, "run") && !getenv("KVASIR_LOG");
         char *args[] = { self, "stage", "-m", (char *)o->model, "--window", a_win, "--listen", a_listen,
                          "--next", a_next, "--threads", a_thr, "--ctx", a_ctx, "--seqs", a_seq,
-                         "--boundary", o->boundary_f32 ? "f32" : "f16",
+                         "--boundary", o->boundary_f32 ? "f32" : "f16", "--log-level", quiet ? "warn" : "info",
                          o->step_delay_ms ? "--step-delay" : NULL, a_delay, NULL };
+        if (!quiet) { /* no --log-level: the environment's level */
+            args[18] = args[20];
+            args[19] = args[20] ? args[21] : NULL;
+            args[20] = NULL;
+        }
         fflush(NULL);
         pid_t pid = fork();
         if (pid < 0) {
@@ -129,7 +140,7 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
     head->block_end = (int32_t)(hp.n_block / (uint32_t)n);
     head->listen = lr->head_listen;
     head->next = n > 1 ? lr->head_next : NULL; /* one stage: the whole model, no links (solo) */
-    head->n_threads = (int32_t)o->threads;
+    head->n_threads = (int32_t)threads;
     head->n_ctx = (int32_t)o->n_ctx;
     head->n_seq = (int32_t)o->seqs;
     head->boundary_f32 = o->boundary_f32;

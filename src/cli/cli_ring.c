@@ -32,6 +32,8 @@ struct creq {
     bool done;
     kvs_err err;
     char msg[512];
+    int32_t n_prompt;
+    double t_submit, t_first, t_end; /* kvs_cli_now_ms; t_first < 0 until the first token */
 };
 
 struct client {
@@ -50,8 +52,10 @@ static void on_event(void *user, const struct kvs_stage_event *ev)
     struct cb_ctx *x = user;
     pthread_mutex_lock(&x->c->mu);
     if (ev->kind == KVS_STAGE_EVENT_TOKEN) {
+        if (x->r->t_first < 0) x->r->t_first = kvs_cli_now_ms();
         if (x->r->n_toks < x->r->cap) x->r->toks[x->r->n_toks++] = ev->token;
     } else {
+        x->r->t_end = kvs_cli_now_ms();
         x->r->done = true;
         x->r->err = ev->kind == KVS_STAGE_EVENT_ERROR ? ev->err : KVS_OK;
         if (x->r->err) snprintf(x->r->msg, sizeof x->r->msg, "%s", ev->message ? ev->message : "");
@@ -86,10 +90,13 @@ static int32_t *tokenize(const struct kvs_tokenizer *tok, const char *text, int3
 static bool submit(struct kvs_stage *head, const struct kvs_ring_client_opts *o, const char *text, struct cb_ctx *cx)
 {
     struct creq *r = cx->r;
+    r->t_submit = kvs_cli_now_ms();
+    r->t_first = -1.0;
     r->cap = o->n_predict > 0 ? o->n_predict : 1;
     r->toks = calloc((size_t)r->cap, sizeof(int32_t));
     int32_t n = 0;
     int32_t *ids = tokenize(kvs_stage_tokenizer(head), text, &n);
+    r->n_prompt = n;
     kvs_err e = (!ids || !r->toks) ? KVS_ERR_ARG : KVS_OK;
     if (!e) {
         struct kvs_stage_request q = { .prompt = ids, .n_prompt = n, .sampling = o->sp,
@@ -110,6 +117,28 @@ static bool submit(struct kvs_stage *head, const struct kvs_ring_client_opts *o,
     return true;
 }
 
+/* Adds a finished request to the summary (under the client's mutex or after the loop). */
+static void sum_add(struct kvs_cli_summary *s, const struct creq *r)
+{
+    s->n_requests++;
+    if (r->err) s->n_failed++;
+    s->n_prompt += r->n_prompt;
+    s->n_gen += r->n_toks;
+    if (r->t_first >= 0) {
+        s->prompt_ms += r->t_first - r->t_submit;
+        if (r->n_toks > 1) {
+            s->n_decode += r->n_toks - 1;
+            s->decode_ms += r->t_end - r->t_first;
+        }
+    }
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
 static void print_text_escaped(const struct kvs_tokenizer *tok, const struct creq *r)
 {
     struct kvs_detok dt;
@@ -128,7 +157,8 @@ static void print_text_escaped(const struct kvs_tokenizer *tok, const struct cre
     }
 }
 
-static int client_one(struct kvs_stage *head, const struct kvs_ring_client_opts *o, struct client *c)
+static int client_one(struct kvs_stage *head, const struct kvs_ring_client_opts *o, struct client *c,
+                      struct kvs_cli_summary *sum)
 {
     struct creq r = { 0 };
     struct cb_ctx cx = { c, &r };
@@ -160,6 +190,8 @@ static int client_one(struct kvs_stage *head, const struct kvs_ring_client_opts 
         fprintf(stderr, "kvasir: request failed: %s (%s)\n", r.msg, kvs_strerror(r.err));
         rc = 1;
     }
+    sum_add(sum, &r);
+    sum->ttft_ms = r.t_first >= 0 ? r.t_first - r.t_submit : 0.0;
     free(r.toks);
     return rc;
 }
@@ -206,8 +238,11 @@ static int read_line(struct line_reader *lr, struct kvs_stage *head, char *out, 
     }
 }
 
-static int client_many(struct kvs_stage *head, const struct kvs_ring_client_opts *o, struct client *c)
+static int client_many(struct kvs_stage *head, const struct kvs_ring_client_opts *o, struct client *c,
+                       struct kvs_cli_summary *sum)
 {
+    size_t ttft_cap = 1024, n_ttft = 0;
+    double *ttft = malloc(ttft_cap * sizeof *ttft), t_begin = kvs_cli_now_ms();
     FILE *in = strcmp(o->prompts_path, "-") ? fopen(o->prompts_path, "r") : stdin;
     if (!in) {
         fprintf(stderr, "kvasir: cannot open %s\n", o->prompts_path);
@@ -257,6 +292,17 @@ static int client_many(struct kvs_stage *head, const struct kvs_ring_client_opts
             c->n_done_unseen--;
             busy[k] = false;
             in_flight--;
+            sum_add(sum, &rs[k]);
+            if (rs[k].t_first >= 0 && ttft) {
+                if (n_ttft == ttft_cap) {
+                    double *nt = realloc(ttft, 2 * ttft_cap * sizeof *ttft);
+                    if (nt) {
+                        ttft = nt;
+                        ttft_cap *= 2;
+                    }
+                }
+                if (n_ttft < ttft_cap) ttft[n_ttft++] = rs[k].t_first - rs[k].t_submit;
+            }
             if (rs[k].err) {
                 printf("#%d error %s (%s)\n", rs[k].idx, rs[k].msg, kvs_strerror(rs[k].err));
                 rc = 1;
@@ -272,6 +318,12 @@ static int client_many(struct kvs_stage *head, const struct kvs_ring_client_opts
         pthread_mutex_unlock(&c->mu);
     }
     if (in != stdin) fclose(in);
+    sum->wall_ms = kvs_cli_now_ms() - t_begin;
+    if (n_ttft) {
+        qsort(ttft, n_ttft, sizeof *ttft, cmp_double);
+        sum->ttft_ms = n_ttft % 2 ? ttft[n_ttft / 2] : 0.5 * (ttft[n_ttft / 2 - 1] + ttft[n_ttft / 2]);
+    }
+    free(ttft);
     free(lr);
     free(rs);
     free(cx);
@@ -293,7 +345,8 @@ int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o
         return 1;
     }
     int rc;
-    int64_t t_serve = -1; /* ms from the ring closing to the last request's end */
+    struct kvs_cli_summary sum = { .load_ms = -1.0 };
+    bool served = false;
     /* In slices, so that a child stage that died (a port taken, a bad file)
      * ends the wait at once instead of after ready_timeout_ms. */
     kvs_err we = KVS_ERR_TIMEOUT;
@@ -319,24 +372,22 @@ int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o
         fprintf(stderr, "kvasir: the ring cannot close: %s (%s)\n", why, kvs_strerror(we));
         rc = 1;
     } else {
-        t_serve = kvs_link_now_ms();
-        rc = o->prompts_path ? client_many(head, o, &c) : client_one(head, o, &c);
-        t_serve = kvs_link_now_ms() - t_serve;
+        if (o->t_start_ms > 0) sum.load_ms = kvs_cli_now_ms() - o->t_start_ms;
+        rc = o->prompts_path ? client_many(head, o, &c, &sum) : client_one(head, o, &c, &sum);
+        served = true;
     }
     kvs_stage_stop(head);
     pthread_join(th, NULL);
     struct kvs_stage_metrics m;
     kvs_stage_metrics(head, &m);
-    /* one write: the stage children log on the same stderr */
-    char line[512], speed[128] = "";
-    if (t_serve > 0)
-        snprintf(speed, sizeof speed, " in %.3f s (%.1f tokens/s, prompts included)", (double)t_serve / 1e3,
-                 (double)m.tokens_generated * 1e3 / (double)t_serve);
+    /* one write each: the stage children log on the same stderr */
+    if (served) kvs_cli_print_summary(&sum);
+    char line[512];
     snprintf(line, sizeof line,
-             "ring: %llu requests done, %llu failed, %llu tokens%s; the head's own blocks: %llu forward calls in "
+             "ring: %llu requests done, %llu failed, %llu tokens; the head's own blocks: %llu forward calls in "
              "%.1f ms\n",
              (unsigned long long)m.requests_done, (unsigned long long)m.requests_failed,
-             (unsigned long long)m.tokens_generated, speed, (unsigned long long)m.forward_calls, m.forward_ms);
+             (unsigned long long)m.tokens_generated, (unsigned long long)m.forward_calls, m.forward_ms);
     fputs(line, stderr);
     pthread_mutex_destroy(&c.mu);
     pthread_cond_destroy(&c.cv);
@@ -388,11 +439,12 @@ bool kvs_ring_client_opt(const char *a, const char *v, struct kvs_ring_client_op
 
 int kvs_cli_run_ring(int argc, char **argv)
 {
-    struct kvs_ring_client_opts co = { .parallel = 1, .n_predict = 128, .ready_timeout_ms = 30000 };
+    struct kvs_ring_client_opts co = { .parallel = 1, .n_predict = 128, .ready_timeout_ms = 30000,
+                                       .t_start_ms = kvs_cli_now_ms() };
     co.sp = kvs_sampler_default_params();
     co.sp.seed = kvs_cli_random_seed(); /* --seed S or -1 overrides */
     const char *model = NULL;
-    long ring = 0, threads = 2, n_ctx = 0, seqs = 0;
+    long ring = 0, threads = 0, n_ctx = 0, seqs = 0; /* threads 0: the cores shared by the stages */
     bool f32 = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];

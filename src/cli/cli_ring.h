@@ -17,6 +17,8 @@ struct kvs_ring_client_opts {
     bool ignore_eos;
     struct kvs_sampler_params sp;
     int ready_timeout_ms;     /* wait this long for the ring to close */
+    double t_start_ms;        /* kvs_cli_now_ms at the start (the summary's load time: start to
+                               * ring closed); 0: not shown */
     struct kvs_local_ring *children; /* a local ring's child stages: one that exits while the ring
                                       * closes ends the wait at once (NULL: none to watch) */
 };

@@ -40,7 +40,8 @@ static void run_usage(FILE *f)
                "  --min-p P            (default 0.05, <= 0 off)\n"
                "  --repeat-penalty R   (default 1.0 = off)\n"
                "  --seed S             sampling seed, -1 random (default random; the seed used is logged)\n"
-               "  -t, --threads T      compute threads (default 2)\n"
+               "  -t, --threads T      compute threads (default: the cores this process may use; with --ring N\n"
+               "                       those cores / N per stage)\n"
                "  -c, --ctx N          context length (default min(model's, 4096))\n"
                "  --ignore-eos         do not stop at end-of-generation tokens\n"
                "  --ring N             run as a local ring of N stage processes on loopback; with\n"
@@ -54,7 +55,7 @@ static int run_parse(int argc, char **argv, struct run_opts *o)
 {
     memset(o, 0, sizeof *o);
     o->n_predict = 128;
-    o->threads = 2;
+    o->threads = kvs_cli_default_threads();
     o->sp = kvs_sampler_default_params();
     o->sp.seed = kvs_cli_random_seed(); /* --seed S or -1 overrides */
     for (int i = 1; i < argc; i++) {
@@ -138,6 +139,7 @@ static int run_single(const struct run_opts *o)
     int32_t *ids = NULL, *pos = NULL, *seq = NULL;
     float *logits = NULL;
 
+    const double t_load = kvs_cli_now_ms();
     kvs_err e = kvs_gguf_open(o->model, &g, err, sizeof err);
     if (e) {
         KVS_LOGE("run: %s: %s (%s)", o->model, kvs_strerror(e), err);
@@ -196,7 +198,8 @@ static int run_single(const struct run_opts *o)
                  (unsigned long long)o->sp.seed);
 
     /* Prefill in chunks of n_batch; logits of the last row only. */
-    const double t0 = run_now();
+    const double t0 = run_now(), load_ms = kvs_cli_now_ms() - t_load;
+    double t_first = -1.0;
     for (int64_t c = 0; c < n_prompt; c += n_batch) {
         const int32_t cnt = (int32_t)(n_prompt - c < n_batch ? n_prompt - c : n_batch);
         for (int32_t i = 0; i < cnt; i++) pos[i] = (int32_t)(c + i);
@@ -207,7 +210,6 @@ static int run_single(const struct run_opts *o)
         }
     }
     for (int64_t i = 0; i < n_prompt; i++) kvs_sampler_accept(smp, ids[i]);
-    const double t1 = run_now();
 
     struct kvs_detok dt;
     kvs_detok_init(&dt, tok, false);
@@ -220,6 +222,7 @@ static int run_single(const struct run_opts *o)
             KVS_LOGE("run: sampler returned %d", (int)id);
             goto done;
         }
+        if (t_first < 0) t_first = run_now();
         if (!o->ignore_eos && kvs_tokenizer_is_eog(tok, id)) break;
         kvs_sampler_accept(smp, id);
         n_gen++;
@@ -247,9 +250,12 @@ static int run_single(const struct run_opts *o)
     if (isatty(STDOUT_FILENO)) fputc('\n', stdout);
     fflush(stdout);
     const double t2 = run_now();
-    const double pf = t1 > t0 ? (double)n_prompt / (t1 - t0) : 0.0;
-    const double dc = (t2 > t1 && n_decode) ? (double)n_decode / (t2 - t1) : 0.0;
-    fprintf(stderr, "prefill: %.1f tok/s, decode: %.1f tok/s (%ld tokens)\n", pf, dc, n_gen);
+    if (t_first < 0) t_first = t2;
+    /* prompt: the prefill and the first sample; decode: every step after the first token */
+    struct kvs_cli_summary sum = { .load_ms = load_ms, .n_requests = 1, .n_prompt = n_prompt,
+                                   .prompt_ms = (t_first - t0) * 1e3, .n_gen = n_gen, .n_decode = n_decode,
+                                   .decode_ms = (t2 - t_first) * 1e3, .ttft_ms = (t_first - t0) * 1e3 };
+    kvs_cli_print_summary(&sum);
     rc = 0;
 done:
     free(ids);

@@ -35,7 +35,7 @@ static void serve_usage(FILE *f)
                "  --model-name NAME    model id in the API (default: the file name)\n"
                "  --chat-template NAME chatml | llama3 for /v1/chat/completions (default: the GGUF's; ChatML,\n"
                "                       logged, when it has none, as llama-server does)\n"
-               "  --threads T          compute threads per stage (default 2)\n"
+               "  --threads T          compute threads per stage (default: the cores this process may use / N)\n"
                "  --ctx N              context length (default min(model's, 4096))\n"
                "  --seqs S             sequence slots per stage (default 4)\n"
                "  --boundary f16|f32   boundary precision on the links (default f16)\n"
@@ -55,7 +55,7 @@ static void *serve_loop(void *arg)
 int kvs_cli_serve(int argc, char **argv)
 {
     const char *model = NULL, *host = "127.0.0.1", *name = NULL, *chat_template = NULL;
-    long ring = 1, port = 8080, threads = 2, n_ctx = 0, seqs = 4, max_body = 1 << 20, delay = 0, max_conn = 64;
+    long ring = 1, port = 8080, threads = 0, n_ctx = 0, seqs = 4, max_body = 1 << 20, delay = 0, max_conn = 64;
     bool f32 = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];

@@ -25,7 +25,7 @@ static void stage_usage(FILE *f)
     fprintf(f, "usage: kvasir stage -m MODEL --window BEGIN:END --listen HOST:PORT --next HOST:PORT [options]\n"
                "       kvasir stage --manifest ring.json --rank R [options]\n"
                "  a window of the whole model is a one-stage ring: it samples itself, no --next needed\n"
-               "  --threads T          compute threads (default 2)\n"
+               "  --threads T          compute threads (default: the cores this process may use)\n"
                "  --ctx N              positions per sequence (default model's, <= 4096; all stages equal)\n"
                "  --seqs S             sequence slots (default 4)\n"
                "                       (--manifest: ctx, seqs and boundary default to its targets; flags override)\n"
@@ -90,7 +90,9 @@ static int stage_serve_api(struct kvs_stage *s, const struct kvs_stage_params *p
 int kvs_cli_stage(int argc, char **argv)
 {
     struct kvs_stage_params p = kvs_stage_default_params();
-    struct kvs_ring_client_opts co = { .parallel = 1, .n_predict = 128, .ready_timeout_ms = 30000 };
+    p.n_threads = (int32_t)kvs_cli_default_threads();
+    struct kvs_ring_client_opts co = { .parallel = 1, .n_predict = 128, .ready_timeout_ms = 30000,
+                                       .t_start_ms = kvs_cli_now_ms() };
     co.sp = kvs_sampler_default_params();
     co.sp.seed = kvs_cli_random_seed(); /* --seed S or -1 overrides */
     const char *manifest = NULL, *window = NULL, *api_host = "127.0.0.1", *chat_template = NULL;

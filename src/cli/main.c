@@ -1,7 +1,9 @@
 /* kvasir: entry point and subcommand dispatch. */
 #include "cli/cli.h"
 
+#include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/kernels.h"
@@ -31,6 +33,49 @@ static void usage(FILE *f)
     fprintf(f, "usage: kvasir <command> [options]   (kvasir <command> --help; kvasir --version)\n\ncommands:\n");
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
         fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
+    fprintf(f, "\nlogs (stderr, one line each, UTC timestamps), with every command:\n"
+               "  -v, --verbose        debug logs (KVASIR_LOG=debug), the stages of run --ring included\n"
+               "  --log-level L        error | warn | info | debug (default info; run --ring's stage\n"
+               "                       processes default to warn). KVASIR_LOG=L does the same.\n");
+}
+
+/* Flags without a value, so that `-v` after one of them is still an option. */
+static bool is_flag(const char *a)
+{
+    static const char *const flags[] = { "--ignore-eos", "--help", "-h", "--no-ranges", "-v", "--verbose" };
+    for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++)
+        if (!strcmp(a, flags[i])) return true;
+    return false;
+}
+
+/* Takes -v/--verbose and --log-level L out of argv[2..] (where they are
+ * options, not the value of the option before them) and sets KVASIR_LOG,
+ * which the stage processes of a local ring inherit. 0, or 2 on a bad level. */
+static int log_args(int *argc, char **argv)
+{
+    int w = 2;
+    for (int i = 2; i < *argc; i++) {
+        const char *a = argv[i];
+        bool opt_pos = argv[i - 1][0] != '-' || is_flag(argv[i - 1]) || i == 2;
+        if (opt_pos && (!strcmp(a, "-v") || !strcmp(a, "--verbose"))) {
+            setenv("KVASIR_LOG", "debug", 1);
+            continue;
+        }
+        if (opt_pos && !strcmp(a, "--log-level")) {
+            const char *v = i + 1 < *argc ? argv[i + 1] : "";
+            if (strcmp(v, "error") && strcmp(v, "warn") && strcmp(v, "info") && strcmp(v, "debug")) {
+                fprintf(stderr, "kvasir: --log-level wants error, warn, info or debug\n");
+                return 2;
+            }
+            setenv("KVASIR_LOG", v, 1);
+            i++;
+            continue;
+        }
+        argv[w++] = argv[i];
+    }
+    argv[w] = NULL;
+    *argc = w;
+    return 0;
 }
 
 int main(int argc, char **argv)
@@ -48,6 +93,7 @@ int main(int argc, char **argv)
                kvs_isa_name(kvs_kernels_isa(kvs_kernels_best())));
         return 0;
     }
+    if (log_args(&argc, argv)) return 2;
     struct kvs_cli_model_store store; /* a downloaded model's path, in argv until the command returns */
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
         if (strcmp(argv[1], commands[i].name)) continue;

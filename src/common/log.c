@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 static enum kvs_log_level log_threshold(void)
@@ -27,5 +28,11 @@ void kvs_log(enum kvs_log_level level, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    fprintf(stderr, "kvasir[%d] %s: %s\n", (int)getpid(), names[level], msg);
+    struct timespec ts;
+    struct tm tm;
+    char when[64] = "";
+    if (clock_gettime(CLOCK_REALTIME, &ts) == 0 && gmtime_r(&ts.tv_sec, &tm))
+        snprintf(when, sizeof when, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ ", tm.tm_year + 1900, tm.tm_mon + 1,
+                 tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000);
+    fprintf(stderr, "%skvasir[%d] %s: %s\n", when, (int)getpid(), names[level], msg);
 }

@@ -6,8 +6,11 @@
 
 enum kvs_log_level { KVS_LOG_ERROR = 0, KVS_LOG_WARN, KVS_LOG_INFO, KVS_LOG_DEBUG };
 
-/* printf-style message at a level, prefixed with "kvasir[pid] LEVEL: " and
- * terminated with a newline (do not include one). */
+/* printf-style message at a level, prefixed with the UTC time to the
+ * millisecond and "kvasir[pid] LEVEL: " (e.g. "2026-12-02T07:55:01.123Z
+ * kvasir[4242] info: ...") and terminated with a newline (do not include one).
+ * `kvasir -v` / `--log-level L` set KVASIR_LOG for the process and its
+ * children (src/cli/main.c). */
 void kvs_log(enum kvs_log_level level, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 

@@ -64,6 +64,14 @@ if [ $rc != 0 ]; then
 fi
 grep -q "has no chat template: /v1/chat/completions falls back to ChatML" "$tmp/tiny.log" ||
     { echo "no ChatML fallback line in the log"; exit 1; }
+# one log line per request: outcome, tokens, milliseconds
+grep -qE 'info: api: cmpl-[^ ]+ /v1/completions 200 length: 13 prompt \+ 60 generated tokens, [0-9.]+ ms$' "$tmp/tiny.log" ||
+    { echo "no request line for a completion in the log"; grep 'api:' "$tmp/tiny.log" | head; exit 1; }
+grep -qE 'info: api: cmpl-[^ ]+ /v1/completions stream 200 length: 13 prompt \+ 60 generated tokens' "$tmp/tiny.log" ||
+    { echo "no request line for a stream in the log"; exit 1; }
+grep -qE 'info: api: /v1/completions 400: ' "$tmp/tiny.log" || { echo "no request line for a 400"; exit 1; }
+grep -qE 'info: api: cmpl-[^ ]+ /v1/completions stream cancelled: ' "$tmp/tiny.log" ||
+    { echo "no request line for a cancelled stream"; exit 1; }
 # SIGTERM stops the server and its stage child.
 kill "${pids[0]}"
 for _ in $(seq 50); do kill -0 "${pids[0]}" 2>/dev/null || break; sleep 0.1; done

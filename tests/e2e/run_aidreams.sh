@@ -12,12 +12,35 @@ expected=$(grep -o '"text":"[^"]*"' "$ref" | sed -e 's/^"text":"//' -e 's/"$//')
 [ -n "$expected" ] || { echo "no text in $ref"; exit 1; }
 
 got=$("$KVASIR_BIN" run -m "$model" -p "Once upon a time" -n 60 --temp 0 2>/tmp/kvs_e2e_run_$$.err)
-summary=$(grep -c '^prefill: .* tok/s, decode: .* tok/s (60 tokens)$' /tmp/kvs_e2e_run_$$.err || true)
+# One llama.cpp-like summary: load time, prompt tokens + tok/s, generated tokens + decode tok/s, TTFT.
+summary=$(grep -cE '^summary: load [0-9.]+ ms \| prompt 13 tokens in [0-9.]+ ms \([0-9.]+ tok/s\) \| generated 60 tokens, 59 decode steps in [0-9.]+ ms \([0-9.]+ tok/s\) \| time to first token [0-9.]+ ms$' /tmp/kvs_e2e_run_$$.err || true)
+stamped=$(grep -cE '^20[0-9]{2}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3}Z kvasir\[[0-9]+\] info: run: ' /tmp/kvs_e2e_run_$$.err || true)
+# --threads defaults to the cores this process may use (sched_getaffinity), not a constant.
+n1=$(taskset -c 0 "$KVASIR_BIN" run -m "$model" -p x -n 1 2>&1 >/dev/null | sed -n 's/.* \([0-9]*\) threads$/\1/p')
+nall=$("$KVASIR_BIN" run -m "$model" -p x -n 1 2>&1 >/dev/null | sed -n 's/.* \([0-9]*\) threads$/\1/p')
+[ "$n1" = 1 ] && [ "$nall" = "$(nproc)" ] || { echo "--threads default: $n1 under taskset -c 0, $nall of $(nproc) cores"; exit 1; }
 rm -f /tmp/kvs_e2e_run_$$.err
 if [ "$got" != "$expected" ]; then
     echo "run output differs:"; echo " got:      [$got]"; echo " expected: [$expected]"; exit 1
 fi
 [ "$summary" = 1 ] || { echo "no speed summary on stderr"; exit 1; }
+[ "$stamped" = 1 ] || { echo "log lines carry no timestamp"; exit 1; }
+
+# run --ring: the same summary (the ring's prompt and generation apart), and the stage
+# processes quiet (warnings and errors only) unless -v / --log-level / KVASIR_LOG asks.
+"$KVASIR_BIN" run --ring 2 -m "$model" -p "Once upon a time" -n 60 --temp 0 >/dev/null 2>/tmp/kvs_e2e_run_$$.err
+grep -qE '^summary: load [0-9.]+ ms \| prompt 13 tokens in [0-9.]+ ms \([0-9.]+ tok/s\) \| generated 60 tokens, 59 decode steps in' /tmp/kvs_e2e_run_$$.err ||
+    { echo "run --ring: no summary: $(cat /tmp/kvs_e2e_run_$$.err)"; exit 1; }
+head_pid=$(grep -o 'kvasir\[[0-9]*\] info: run: rank 1' /tmp/kvs_e2e_run_$$.err | grep -o '[0-9]*' | head -1)
+others=$(grep -o 'kvasir\[[0-9]*\] info' /tmp/kvs_e2e_run_$$.err | grep -vc "kvasir\[$head_pid\]" || true)
+[ -n "$head_pid" ] && [ "$others" = 0 ] || { echo "run --ring: a stage process logged at info: $(cat /tmp/kvs_e2e_run_$$.err)"; exit 1; }
+"$KVASIR_BIN" run --ring 2 -m "$model" -p "Once upon a time" -n 4 --temp 0 -v >/dev/null 2>/tmp/kvs_e2e_run_$$.err
+[ "$(grep -o 'kvasir\[[0-9]*\] \(info\|debug\)' /tmp/kvs_e2e_run_$$.err | sort -u | sed 's/ .*//' | sort -u | wc -l)" -ge 2 ] ||
+    { echo "run --ring -v: the stage processes did not log"; exit 1; }
+"$KVASIR_BIN" run -m "$model" -p x -n 1 --log-level warn >/dev/null 2>/tmp/kvs_e2e_run_$$.err
+! grep -q ' info: ' /tmp/kvs_e2e_run_$$.err || { echo "--log-level warn still logs info"; exit 1; }
+"$KVASIR_BIN" run -m "$model" -p x -n 1 --log-level loud >/dev/null 2>&1 && { echo "--log-level loud accepted"; exit 1; }
+rm -f /tmp/kvs_e2e_run_$$.err
 
 # --ring is a recognised option (implemented by the ring); bad options are usage errors.
 set +e
