@@ -25,6 +25,9 @@ static void plan_usage(FILE *f)
                "  --boundary f16|f32   boundary precision between stages (default f16)\n"
                "  --block-overhead-ms X  fixed cost per block per token (default 0.02)\n"
                "  -o, --out PATH       manifest to write (default: print it to stdout, the table to stderr)\n"
+               "  --relay-secret FILE  the relay's secret (docs/RELAY.md): mints the edge tokens of the edges of\n"
+               "                       devices with \"accepts_inbound\": false, which go through the inventory's\n"
+               "                       \"relay\": {\"url\": \"wss://HOST[:PORT]\"}\n"
                "\n"
                "A device entry of the inventory: run `kvasir bench --probe --name NAME` on the device; it\n"
                "prints one JSON object (measured decode_gbps, mem_bytes). Collect them in an array:\n"
@@ -45,7 +48,7 @@ static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
 
 int kvs_cli_plan(int argc, char **argv)
 {
-    const char *model = NULL, *url = NULL, *devices = NULL, *outp = NULL;
+    const char *model = NULL, *url = NULL, *devices = NULL, *outp = NULL, *relay_secret = NULL;
     struct kvs_plan_targets t = kvs_plan_default_targets();
     bool ctx_given = false;
     for (int i = 1; i < argc; i++) {
@@ -69,6 +72,8 @@ int kvs_cli_plan(int argc, char **argv)
             url = v;
         else if (!strcmp(a, "--devices"))
             devices = v;
+        else if (!strcmp(a, "--relay-secret"))
+            relay_secret = v;
         else if (!strcmp(a, "-o") || !strcmp(a, "--out"))
             outp = v;
         else if (!strcmp(a, "--ctx")) {
@@ -144,10 +149,34 @@ int kvs_cli_plan(int argc, char **argv)
         rc = e == KVS_ERR_IO ? 1 : 2;
         goto done;
     }
+    if (relay_secret) {
+        FILE *f = fopen(relay_secret, "rb");
+        size_t n = f ? fread(inv->relay_secret, 1, sizeof inv->relay_secret, f) : 0;
+        bool more = f && fgetc(f) != EOF;
+        if (f) fclose(f);
+        while (n && (inv->relay_secret[n - 1] == '\n' || inv->relay_secret[n - 1] == '\r')) n--;
+        if (!f || more || n < 16) {
+            fprintf(stderr, "kvasir plan: --relay-secret %s: cannot read a secret of 16..256 bytes\n", relay_secret);
+            rc = 2;
+            goto done;
+        }
+        inv->relay_secret_len = n;
+    }
     if ((e = kvs_plan_solve(m, inv, &t, res, err, sizeof err))) {
         fprintf(stderr, "kvasir plan: %s: %s\n", kvs_strerror(e), err);
         goto done;
     }
+    for (size_t r = 0; r < res->n_ranks; r++)
+        if (kvs_plan_edge_relayed(inv, res, r) && (!inv->relay_url[0] || !inv->relay_secret_len)) {
+            fprintf(stderr,
+                    "kvasir plan: the edge from %s to %s goes through the relay (a device with \"accepts_inbound\": "
+                    "false): the inventory needs \"relay\": {\"url\": \"wss://HOST[:PORT]\"} and the plan "
+                    "--relay-secret FILE\n",
+                    inv->devices[res->ranks[r].device].name,
+                    inv->devices[res->ranks[(r + 1) % res->n_ranks].device].name);
+            rc = 2;
+            goto done;
+        }
     /* The manifest is read by stages started elsewhere (another directory or
      * machine layout): a relative -m path would resolve against their cwd. */
     char *abs_model = model ? realpath(model, NULL) : NULL;

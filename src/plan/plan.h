@@ -41,7 +41,7 @@ struct kvs_gguf;
 #define KVS_PLAN_MAX_BLOCKS 1024   /* runnable blocks of a model */
 #define KVS_PLAN_MAX_DEVICES 64    /* devices in an inventory */
 #define KVS_PLAN_NAME_MAX 64       /* device name, bytes incl. NUL */
-#define KVS_PLAN_ADDR_MAX 128      /* "host:port", bytes incl. NUL */
+#define KVS_PLAN_ADDR_MAX 384      /* "host:port" or a relay URL with its token, bytes incl. NUL */
 #define KVS_PLAN_MANIFEST_VERSION 1
 
 /* --- model profile ---------------------------------------------------------- */
@@ -116,7 +116,15 @@ struct kvs_plan_inventory {
     size_t n_devices;
     struct kvs_plan_device devices[KVS_PLAN_MAX_DEVICES];
     double relay_rtt_ms;       /* extra RTT of a relayed hop; "relay": {"rtt_ms": x}, default 40 */
+    char relay_url[KVS_PLAN_ADDR_MAX]; /* "relay": {"url": "wss://HOST[:PORT]"}: where relayed edges go, or "" */
+    uint8_t relay_secret[256]; /* not from the JSON: the relay's secret, set by the caller to mint the */
+    size_t relay_secret_len;   /* edge tokens of relayed edges (docs/RELAY.md §4); 0 = none */
 };
+
+struct kvs_plan_result;
+/* True when the edge from ranks[r] to ranks[(r+1) % n] of res goes through the
+ * relay: either end's device has accepts_inbound false (a one-rank ring has none). */
+bool kvs_plan_edge_relayed(const struct kvs_plan_inventory *inv, const struct kvs_plan_result *res, size_t r);
 
 /* Parses an inventory JSON document (docs/PLAN.md): either
  * {"devices": [...], "relay": {"rtt_ms": 40}} or a bare array of devices.
@@ -210,6 +218,13 @@ uint64_t kvs_plan_window_mem(const struct kvs_plan_model *m, const struct kvs_pl
  * (written as null). listen = the device's addr, or 127.0.0.1:(7001 + rank);
  * next = the next rank's listen (the tail's next is rank 0's). Excluded
  * devices are listed with a reason. Errors: KVS_ERR_NOMEM. */
+/* Writes the manifest (docs/MANIFEST.md) as a JSON string (*json, free()).
+ * A relayed edge (kvs_plan_edge_relayed) is written as the relay URL
+ * inv->relay_url/edge/EDGE_ID?token=HEX in the receiving rank's listen and
+ * the sending rank's next: EDGE_ID = "e" + the first 24 hex digits of
+ * SHA-256(fingerprint "/" sending device "/" receiving device), the token
+ * minted with inv->relay_secret. Errors: KVS_ERR_ARG (a relayed edge but no
+ * relay_url or no secret), KVS_ERR_NOMEM. */
 kvs_err kvs_plan_manifest_json(const struct kvs_plan_model *m, const struct kvs_plan_inventory *inv,
                                const struct kvs_plan_targets *t, const struct kvs_plan_result *res,
                                const char *model_path, const char *model_url, char **json);

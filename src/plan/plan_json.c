@@ -2,8 +2,10 @@
  * manifest (docs/MANIFEST.md), both through jansson. */
 #include "plan/plan.h"
 #include "plan/plan_impl.h"
+#include "link/link.h"
 
 #include <jansson.h>
+#include <openssl/evp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,6 +48,14 @@ static bool valid_addr(const char *s)
     char *end;
     long port = strtol(c + 1, &end, 10);
     return *end == '\0' && port >= 1 && port <= 65535;
+}
+
+/* A manifest link: "host:port", or a relay URL with its token (docs/RELAY.md §2). */
+static bool valid_link(const char *s)
+{
+    if (!kvs_ws_is_url(s)) return valid_addr(s);
+    struct kvs_ws_url u;
+    return kvs_ws_url_parse(s, &u, NULL, 0) == KVS_OK && u.token[0];
 }
 
 static kvs_err parse_device(json_t *o, size_t idx, struct kvs_plan_device *d, char *errbuf, size_t errlen)
@@ -156,6 +166,19 @@ kvs_err kvs_plan_inventory_parse(const char *text, size_t len, struct kvs_plan_i
                 err = KVS_ERR_FORMAT;
                 goto out;
             }
+            json_t *u = json_object_get(relay, "url");
+            if (u) {
+                char probe[KVS_PLAN_ADDR_MAX + 16];
+                struct kvs_ws_url wu;
+                if (!copy_str(inv->relay_url, 281, u) ||
+                    (snprintf(probe, sizeof probe, "%s/edge/x", inv->relay_url),
+                     kvs_ws_url_parse(probe, &wu, NULL, 0) != KVS_OK)) {
+                    kvs_plan_seterr(errbuf, errlen,
+                                    "inventory: \"relay\".url must be \"ws[s]://HOST[:PORT]\" (no path)");
+                    err = KVS_ERR_FORMAT;
+                    goto out;
+                }
+            }
         }
     }
     if (!json_is_array(devs) || json_array_size(devs) == 0) {
@@ -202,14 +225,40 @@ kvs_err kvs_plan_inventory_load(const char *path, struct kvs_plan_inventory *inv
 
 /* --- manifest --------------------------------------------------------------- */
 
-static void rank_listen(const struct kvs_plan_inventory *inv, const struct kvs_plan_result *res, size_t r,
-                        char *out, size_t cap)
+bool kvs_plan_edge_relayed(const struct kvs_plan_inventory *inv, const struct kvs_plan_result *res, size_t r)
+{
+    if (res->n_ranks < 2) return false;
+    const struct kvs_plan_device *a = &inv->devices[res->ranks[r].device];
+    const struct kvs_plan_device *b = &inv->devices[res->ranks[(r + 1) % res->n_ranks].device];
+    return !a->accepts_inbound || !b->accepts_inbound;
+}
+
+/* The address rank r listens on: its device's, or the relay URL of the edge into it. */
+static kvs_err rank_listen(const struct kvs_plan_model *m, const struct kvs_plan_inventory *inv,
+                           const struct kvs_plan_result *res, size_t r, char *out, size_t cap)
 {
     const struct kvs_plan_device *d = &inv->devices[res->ranks[r].device];
+    size_t from = (r + res->n_ranks - 1) % res->n_ranks;
+    if (kvs_plan_edge_relayed(inv, res, from)) {
+        if (!inv->relay_url[0] || !inv->relay_secret_len) return KVS_ERR_ARG;
+        const struct kvs_plan_device *f = &inv->devices[res->ranks[from].device];
+        char msg[512];
+        int n = snprintf(msg, sizeof msg, "%s/%s/%s", m->fingerprint, f->name, d->name);
+        unsigned char h[EVP_MAX_MD_SIZE];
+        unsigned int hl = 0;
+        if (n < 0 || !EVP_Digest(msg, (size_t)n, h, &hl, EVP_sha256(), NULL)) return KVS_ERR_INTERNAL;
+        char edge[32] = "e";
+        for (int i = 0; i < 12; i++) snprintf(edge + 1 + 2 * i, 3, "%02x", h[i]);
+        char tok[KVS_RELAY_TOKEN_HEX + 1];
+        if (kvs_relay_token(inv->relay_secret, inv->relay_secret_len, edge, tok)) return KVS_ERR_INTERNAL;
+        snprintf(out, cap, "%.280s/edge/%.25s?token=%.64s", inv->relay_url, edge, tok);
+        return KVS_OK;
+    }
     if (d->addr[0])
         snprintf(out, cap, "%s", d->addr);
     else
         snprintf(out, cap, "127.0.0.1:%zu", 7001 + r);
+    return KVS_OK;
 }
 
 /* Why an unused device is left out. */
@@ -260,8 +309,10 @@ kvs_err kvs_plan_manifest_json(const struct kvs_plan_model *m, const struct kvs_
         const struct kvs_plan_rank *rk = &res->ranks[r];
         const struct kvs_plan_device *d = &inv->devices[rk->device];
         char listen[KVS_PLAN_ADDR_MAX], next[KVS_PLAN_ADDR_MAX];
-        rank_listen(inv, res, r, listen, sizeof listen);
-        rank_listen(inv, res, (r + 1) % res->n_ranks, next, sizeof next);
+        if ((err = rank_listen(m, inv, res, r, listen, sizeof listen)) ||
+            (err = rank_listen(m, inv, res, (r + 1) % res->n_ranks, next, sizeof next)))
+            goto fail;
+        err = KVS_ERR_NOMEM;
         json_t *o = json_object();
         json_t *win = json_array();
         if (!o || !win) {
@@ -433,9 +484,12 @@ kvs_err kvs_manifest_parse(const char *text, size_t len, struct kvs_manifest *mf
         r->begin = (uint32_t)b;
         r->end = (uint32_t)e;
         at = r->end;
-        if (!copy_str(r->listen, sizeof r->listen, json_object_get(o, "listen")) || !valid_addr(r->listen) ||
-            !copy_str(r->next, sizeof r->next, json_object_get(o, "next")) || !valid_addr(r->next)) {
-            kvs_plan_seterr(errbuf, errlen, "manifest: ranks[%zu].listen/next must be \"host:port\"", i);
+        if (!copy_str(r->listen, sizeof r->listen, json_object_get(o, "listen")) || !valid_link(r->listen) ||
+            !copy_str(r->next, sizeof r->next, json_object_get(o, "next")) || !valid_link(r->next)) {
+            kvs_plan_seterr(errbuf, errlen,
+                            "manifest: ranks[%zu].listen/next must be \"host:port\" or a relay URL "
+                            "ws[s]://HOST[:PORT]/edge/ID?token=HEX",
+                            i);
             goto out;
         }
         if (!opt_str(o, "device", r->device, sizeof r->device)) {

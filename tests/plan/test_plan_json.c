@@ -12,6 +12,7 @@
 
 #include "gguf/gguf.h"
 #include "plan/plan.h"
+#include "link/link.h"
 #include "shard/shard.h"
 
 static char g_err[512];
@@ -300,6 +301,80 @@ static void test_default_ctx_from_model(void **state)
     kvs_gguf_close(g);
 }
 
+/* A device with "accepts_inbound": false: both of its edges are written as
+ * relay URLs with the edge's token (the receiving rank's listen = the
+ * sending rank's next); the manifest reads back; no secret or no relay URL
+ * is refused. */
+static void test_manifest_relay(void **state)
+{
+    (void)state;
+    const char *shared = getenv("KVASIR_SHARED");
+    char path[1024];
+    snprintf(path, sizeof path, "%s/models/aidreams260K.gguf", shared ? shared : "../shared");
+    struct kvs_gguf *g = NULL;
+    assert_int_equal(kvs_gguf_open(path, &g, g_err, sizeof g_err), KVS_OK);
+    struct kvs_plan_model *m = NULL;
+    assert_int_equal(kvs_plan_model_from_gguf(g, &m, g_err, sizeof g_err), KVS_OK);
+    struct kvs_plan_inventory *inv = malloc(sizeof *inv);
+    struct kvs_plan_result *res = malloc(sizeof *res);
+    struct kvs_manifest *mf = malloc(sizeof *mf);
+    const char *doc = "{\"relay\": {\"rtt_ms\": 1, \"url\": \"wss://10.0.0.9:443\"}, \"devices\": ["
+                      " {\"name\": \"a\", \"mem_bytes\": 1450000, \"decode_gbps\": 20, \"addr\": \"10.0.0.1:7001\"},"
+                      " {\"name\": \"b\", \"mem_bytes\": 1450000, \"decode_gbps\": 10, \"addr\": \"10.0.0.2:7001\"},"
+                      " {\"name\": \"phone\", \"mem_bytes\": 1450000, \"decode_gbps\": 5, \"accepts_inbound\": false},"
+                      " {\"name\": \"d\", \"mem_bytes\": 1450000, \"decode_gbps\": 2, \"addr\": \"10.0.0.4:7001\"}]}";
+    assert_int_equal(inv_parse(doc, inv), KVS_OK);
+    assert_string_equal(inv->relay_url, "wss://10.0.0.9:443");
+    struct kvs_plan_targets t = kvs_plan_default_targets();
+    t.ctx = 128;
+    assert_int_equal(kvs_plan_solve(m, inv, &t, res, g_err, sizeof g_err), KVS_OK);
+    assert_int_equal(res->n_ranks, 4);
+    char *json = NULL;
+    assert_int_equal(kvs_plan_manifest_json(m, inv, &t, res, "x.gguf", NULL, &json), KVS_ERR_ARG); /* no secret */
+    const char secret[] = "planner-test-secret-0123";
+    memcpy(inv->relay_secret, secret, sizeof secret - 1);
+    inv->relay_secret_len = sizeof secret - 1;
+    assert_int_equal(kvs_plan_manifest_json(m, inv, &t, res, "x.gguf", NULL, &json), KVS_OK);
+    assert_int_equal(kvs_manifest_parse(json, strlen(json), mf, g_err, sizeof g_err), KVS_OK);
+    free(json);
+    size_t phone = 4;
+    for (size_t r = 0; r < 4; r++)
+        if (!strcmp(mf->ranks[r].device, "phone")) phone = r;
+    assert_true(phone < 4);
+    size_t prev = (phone + 3) % 4, next = (phone + 1) % 4;
+    int relayed = 0;
+    for (size_t r = 0; r < 4; r++) {
+        bool url = kvs_ws_is_url(mf->ranks[r].listen);
+        assert_int_equal(url, r == phone || r == next); /* the edges into and out of the phone */
+        if (!url) continue;
+        relayed++;
+        struct kvs_ws_url u;
+        assert_int_equal(kvs_ws_url_parse(mf->ranks[r].listen, &u, g_err, sizeof g_err), KVS_OK);
+        assert_true(u.tls);
+        assert_string_equal(u.host, "10.0.0.9");
+        assert_int_equal(u.port, 443);
+        assert_int_equal(strlen(u.edge), 25);
+        char tok[65];
+        assert_int_equal(kvs_relay_token(secret, sizeof secret - 1, u.edge, tok), KVS_OK);
+        assert_string_equal(u.token, tok);
+    }
+    assert_int_equal(relayed, 2);
+    assert_string_equal(mf->ranks[prev].next, mf->ranks[phone].listen);
+    assert_string_equal(mf->ranks[phone].next, mf->ranks[next].listen);
+    assert_string_not_equal(mf->ranks[phone].listen, mf->ranks[next].listen); /* two edges, two ids */
+    /* no relay URL in the inventory */
+    inv->relay_url[0] = '\0';
+    assert_int_equal(kvs_plan_manifest_json(m, inv, &t, res, "x.gguf", NULL, &json), KVS_ERR_ARG);
+    /* the reader refuses a relay URL without its token, and a bad relay url in the inventory */
+    const char *bad = "{\"relay\": {\"url\": \"wss://h/edge/x\"}, \"devices\": [{\"name\": \"a\", \"mem_bytes\": 5, \"decode_gbps\": 1}]}";
+    assert_int_equal(inv_parse(bad, inv), KVS_ERR_FORMAT);
+    free(inv);
+    free(res);
+    free(mf);
+    free(m);
+    kvs_gguf_close(g);
+}
+
 /* Profile of a real file: qwen3-q8_0.gguf (models/README.md: 4 blocks,
  * n_embd 128, 4 heads of 64, 2 KV heads, FFN 384, tied output, Q8_0). */
 static void test_profile_qwen3_tied(void **state)
@@ -427,6 +502,7 @@ int main(void)
         cmocka_unit_test(test_manifest_parse),     cmocka_unit_test(test_profile_qwen3_tied),
         cmocka_unit_test(test_fetch_header),       cmocka_unit_test(test_load_errors_and_empty_model),
         cmocka_unit_test(test_manifest_strict),    cmocka_unit_test(test_default_ctx_from_model),
+        cmocka_unit_test(test_manifest_relay),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

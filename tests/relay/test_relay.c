@@ -630,6 +630,70 @@ static void test_idle_flood(void **state)
     stop(&rr);
 }
 
+/* wss://: TLS with a self-signed certificate the test makes; the client
+ * trusts it as its CA file; another certificate, or a host the certificate
+ * does not name, is refused with the reason. */
+static void test_tls(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/kvs-relay-tls-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char cmd[1024];
+    for (int i = 0; i < 2; i++) {
+        snprintf(cmd, sizeof cmd,
+                 "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout %s/k%d.pem "
+                 "-out %s/c%d.pem -days 2 -subj /CN=relay -addext subjectAltName=IP:127.0.0.1 2>/dev/null",
+                 dir, i, dir, i);
+        assert_int_equal(system(cmd), 0);
+    }
+    char cert[128], key[128], other[128];
+    snprintf(cert, sizeof cert, "%s/c0.pem", dir);
+    snprintf(key, sizeof key, "%s/k0.pem", dir);
+    snprintf(other, sizeof other, "%s/c1.pem", dir);
+    struct running rr;
+    struct kvs_relay_params p = kvs_relay_default_params();
+    p.cert_file = cert;
+    p.key_file = key;
+    start(&rr, &p);
+    char tok[65], url[256], err[256];
+    kvs_relay_token(SECRET, SECRET_LEN, "tls", tok);
+    snprintf(url, sizeof url, "wss://127.0.0.1:%u/edge/tls?token=%s", rr.port, tok);
+    struct kvs_ws_opts o = { .role = KVS_RELAY_ROLE_UP, .ca_file = cert };
+    struct kvs_link *up = NULL, *down = NULL;
+    assert_int_equal(kvs_ws_dial(url, &o, 3000, &up, err, sizeof err), KVS_OK);
+    o.role = KVS_RELAY_ROLE_DOWN;
+    assert_int_equal(kvs_ws_dial(url, &o, 3000, &down, err, sizeof err), KVS_OK);
+    uint8_t buf[100000], got[100000];
+    for (size_t i = 0; i < sizeof buf; i++) buf[i] = (uint8_t)(i * 7);
+    assert_int_equal(kvs_link_write(up, buf, sizeof buf, 3000), KVS_OK);
+    assert_int_equal(read_n(down, got, sizeof got, 5000), sizeof got);
+    assert_memory_equal(got, buf, sizeof buf);
+    assert_int_equal(kvs_link_write(down, "back", 4, 1000), KVS_OK);
+    assert_int_equal(read_n(up, got, 4, 3000), 4);
+    assert_memory_equal(got, "back", 4);
+    kvs_link_close(up);
+    kvs_link_close(down);
+    /* an untrusted certificate */
+    struct kvs_link *l = NULL;
+    o.ca_file = other;
+    err[0] = '\0';
+    assert_int_equal(kvs_ws_dial(url, &o, 3000, &l, err, sizeof err), KVS_ERR_NET);
+    assert_null(l);
+    assert_non_null(strstr(err, "certificate not trusted"));
+    /* the right certificate, but not for this host name */
+    snprintf(url, sizeof url, "wss://localhost:%u/edge/tls?token=%s", rr.port, tok);
+    o.ca_file = cert;
+    err[0] = '\0';
+    assert_int_equal(kvs_ws_dial(url, &o, 3000, &l, err, sizeof err), KVS_ERR_NET);
+    assert_non_null(strstr(err, "certificate not trusted"));
+    /* plain ws:// to a TLS relay fails the upgrade, with a clear error */
+    snprintf(url, sizeof url, "ws://127.0.0.1:%u/edge/tls?token=%s", rr.port, tok);
+    assert_int_not_equal(kvs_ws_dial(url, &o, 3000, &l, err, sizeof err), KVS_OK);
+    stop(&rr);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 static void test_http(void **state)
 {
     (void)state;
@@ -667,7 +731,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_checks),      cmocka_unit_test(test_pair_both_ways), cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_limits),      cmocka_unit_test(test_takeover),       cmocka_unit_test(test_backpressure),
-        cmocka_unit_test(test_idle_flood),  cmocka_unit_test(test_http),
+        cmocka_unit_test(test_idle_flood),  cmocka_unit_test(test_tls),            cmocka_unit_test(test_http),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
