@@ -1,0 +1,206 @@
+/* Internal header of the stage module: the stage object and the functions
+ * its files share. Not part of the public interface (stage.h).
+ *
+ * Files by responsibility:
+ *   create / free and the public API (stage.c)
+ *   the loop, timers, forward and metrics (stage_loop.c)
+ *   links: sending, handshakes (HELLO), the pending table, dial, link loss (stage_link.c)
+ *   the sequence table and the data path of a window: REQUEST_START, PREFILL, DECODE, END, ERROR (stage_seq.c)
+ *   the head: requests, admission, prompt, batched decode, returned tokens (stage_head.c)
+ *   the tail: sampling (stage_tail.c)
+ *   ring probes and their trails (stage_probe.c)
+ *   kvs_stage_params_from_manifest (stage_manifest.c)
+ * Every function here runs on the loop thread unless it says otherwise;
+ * fields under `mu` are shared with other threads. */
+#ifndef KVS_STAGE_IMPL_H
+#define KVS_STAGE_IMPL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "link/link.h"
+#include "model/model.h"
+#include "proto/proto.h"
+#include "sampler/sampler.h"
+#include "stage/stage.h"
+#include "tokenizer/tokenizer.h"
+
+#define MAX_PENDING_LINKS 4  /* accepted connections waiting for their HELLO */
+#define HANDSHAKE_MS 3000    /* a HELLO must arrive within this */
+#define PROBE_UNREADY_MS 20  /* head: probe interval until a probe has come round (then keepalive_ms) */
+#define PROBE_ACCEPT 1024u   /* head: a returning probe counts if it is one of the last this many */
+#define MAX_QUEUE 1024       /* submitted requests waiting */
+#define MAX_CANCELS 1024
+#define READ_CHUNK 65536
+#define REFUSED_BACKOFF_MAX_MS 16000 /* re-dial a refusing successor after 1, 2, 4 .. 16 s */
+#define BYE_WRITE_MS 200     /* a goodbye ERROR is best effort: never hold a stopping stage longer */
+
+struct seq {
+    bool used;
+    bool finished;            /* tail: the last token was sampled */
+    uint32_t req;
+    /* tail */
+    struct kvs_sampler *smp;
+    uint32_t max_tokens, generated; /* max_tokens: the head's copy too */
+    bool ignore_eos;
+    uint32_t n_stop;
+    int32_t stop[KVS_PROTO_MAX_STOP];
+    /* head */
+    kvs_stage_event_fn cb;
+    void *user;
+    int32_t n_reported;
+    bool has_next;            /* a token is waiting to be fed */
+    bool decoding;            /* its first token came back: it takes part in decode batches */
+    int32_t next_tok, next_pos;
+};
+
+struct queued {
+    uint32_t req;
+    struct kvs_stage_request r; /* prompt/stop_ids point into owned copies */
+    int32_t *prompt;
+    int32_t stop[KVS_PROTO_MAX_STOP];
+};
+
+struct pending_link {
+    struct kvs_link *l;
+    struct kvs_proto_decoder *dec;
+    int64_t since;
+};
+
+enum out_state { OUT_DOWN = 0, OUT_HANDSHAKE, OUT_UP };
+
+struct kvs_stage {
+    struct kvs_stage_params p;
+    char listen_addr[256], next_addr[256];
+    struct kvs_gguf *g;
+    struct kvs_model *m;
+    struct kvs_tokenizer *tok; /* head only */
+    struct kvs_hparams hp;
+    uint8_t fp[32];
+    char fp_hex[65];
+    int32_t begin, end, n_ctx, n_seq, n_batch;
+    uint32_t n_embd, n_vocab;
+    bool is_head, is_tail;
+    int32_t eog[KVS_PROTO_MAX_STOP];
+    uint32_t n_eog;
+
+    struct kvs_listener *lst;
+    struct pending_link pend[MAX_PENDING_LINKS];
+    struct kvs_link *in;
+    struct kvs_proto_decoder *in_dec;
+    int64_t in_last_read;
+    struct kvs_link *out;
+    struct kvs_proto_decoder *out_dec;
+    enum out_state out_state;
+    int64_t out_next_dial, out_since, out_last_write;
+    int out_attempt;
+    bool out_warned;
+    bool solo;                    /* the whole model: head and tail at once, no links (a one-stage ring) */
+    bool in_bye, out_bye;         /* the neighbour said goodbye (orderly shutdown): its EOF is not a fault */
+    int out_refused;              /* consecutive refusals by the successor (backoff, logged as errors) */
+
+    /* head: ring probes */
+    uint32_t probe_no;
+    int64_t probe_sent, probe_back;
+    int64_t progress;             /* head: last TOKEN from the tail (work got round the ring) */
+    bool admit_more;              /* head: more queued requests can start: do not wait in poll */
+    uint64_t fwd_us;              /* loop thread: time in kvs_model_forward, microseconds */
+    bool out_ever_up;             /* the out link was up before (a later HELLO is a re-join) */
+    uint64_t out_dropped;         /* frames dropped while the out link was down */
+
+    struct seq *seqs;
+    /* work buffers, sized at create */
+    uint8_t *sbuf;
+    size_t sbuf_cap;
+    uint8_t *rbuf;
+    float *x;      /* [n_batch][n_embd] boundary in */
+    float *y;      /* [max(n_batch*n_embd, n_seq*n_vocab)] forward out */
+    int32_t *b_tok, *b_seq, *b_pos;
+    int8_t *b_logits;
+    uint32_t *b_req;
+
+    int wake[2];
+    /* shared with other threads, under mu */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stopped;
+    struct queued *queue[MAX_QUEUE];
+    int n_queue;
+    uint32_t cancels[MAX_CANCELS];
+    int n_cancels;
+    uint32_t next_req;
+    struct kvs_stage_metrics met;
+    struct kvs_stage_hop hops[KVS_PROTO_MAX_TRAIL]; /* head: the last trail that came back */
+    /* why the ring cannot close: the successor refused this stage (or does not
+     * fit it), or this stage refused its predecessor; code 0 / "" when none */
+    kvs_err out_refusal_code, in_refusal_code;
+    char out_refusal[KVS_PROTO_MAX_ERRMSG + 512], in_refusal[KVS_PROTO_MAX_ERRMSG + 512];
+    int n_hops;
+    double probe_rtt_ms;
+};
+
+/* --- small helpers ---------------------------------------------------------- */
+
+/* --- the loop, timers, forward and metrics (stage_loop.c) --- */
+
+void kvs_st_met_add(struct kvs_stage *s, uint64_t *field, uint64_t v);
+void kvs_st_met_update(struct kvs_stage *s);
+uint64_t kvs_st_wall_us(void);
+kvs_err kvs_st_forward(struct kvs_stage *s, const struct kvs_batch *b, float *out);
+
+/* --- links: sending, handshakes (HELLO), the pending table, dial, link loss (stage_link.c) --- */
+
+bool kvs_st_send_built(struct kvs_stage *s, struct kvs_frame_header *h);
+bool kvs_st_send_simple(struct kvs_stage *s, uint8_t kind, uint8_t flags, uint32_t req, uint32_t pos);
+bool kvs_st_send_error(struct kvs_stage *s, uint32_t req, kvs_err code, const char *msg);
+void kvs_st_refuse(struct kvs_link *l, kvs_err code, const char *msg);
+void kvs_st_drop_all(struct kvs_stage *s, kvs_err err, const char *msg);
+void kvs_st_in_lost(struct kvs_stage *s, const char *why);
+void kvs_st_out_lost(struct kvs_stage *s, const char *why);
+void kvs_st_pend_close(struct pending_link *pl);
+void kvs_st_accept_new(struct kvs_stage *s);
+void kvs_st_pend_read(struct kvs_stage *s, struct pending_link *pl);
+void kvs_st_dial_next(struct kvs_stage *s);
+void kvs_st_out_read(struct kvs_stage *s);
+
+/* --- the sequence table and the data path of a window: REQUEST_START, PREFILL, DECODE, END, ERROR (stage_seq.c) --- */
+
+int32_t kvs_st_n_active(const struct kvs_stage *s);
+struct seq *kvs_st_seq_find(struct kvs_stage *s, uint32_t req);
+int32_t kvs_st_seq_slot(const struct kvs_stage *s, const struct seq *q);
+struct seq *kvs_st_seq_alloc(struct kvs_stage *s, uint32_t req);
+void kvs_st_seq_free(struct kvs_stage *s, struct seq *q);
+/* A non-head stage fails request req (slot q freed when not NULL): logged, and an ERROR for it goes on. */
+void kvs_st_fail_req(struct kvs_stage *s, struct seq *q, uint32_t req, kvs_err e, const char *msg);
+void kvs_st_on_request_start(struct kvs_stage *s, const struct kvs_frame *f);
+void kvs_st_on_prefill(struct kvs_stage *s, const struct kvs_frame *f);
+void kvs_st_decode_rows_done(struct kvs_stage *s, int32_t n, bool sample_here);
+int32_t kvs_st_keep_finite_rows(struct kvs_stage *s, int32_t n, bool logits, const char *what);
+void kvs_st_on_decode(struct kvs_stage *s, const struct kvs_frame *f);
+void kvs_st_on_end(struct kvs_stage *s, const struct kvs_frame *f);
+void kvs_st_on_error(struct kvs_stage *s, const struct kvs_frame *f);
+
+/* --- the head: requests, admission, prompt, batched decode, returned tokens (stage_head.c) --- */
+
+void kvs_st_head_end(struct kvs_stage *s, struct seq *q, kvs_err err, uint32_t finish, const char *msg);
+void kvs_st_head_abort(struct kvs_stage *s, struct seq *q, uint32_t req, kvs_err e, const char *msg);
+void kvs_st_head_token(struct kvs_stage *s, uint32_t req_id, uint32_t pos, struct kvs_token_msg tm);
+void kvs_st_on_token(struct kvs_stage *s, const struct kvs_frame *f);
+void kvs_st_free_queued(struct queued *w);
+void kvs_st_head_admit(struct kvs_stage *s);
+void kvs_st_head_decode(struct kvs_stage *s);
+
+/* --- the tail: sampling (stage_tail.c) --- */
+
+void kvs_st_tail_begin(struct kvs_stage *s, struct seq *q, const struct kvs_req_params *rp, uint32_t n,
+                       const uint8_t *prompt);
+void kvs_st_tail_sample(struct kvs_stage *s, struct seq *q, const float *logits, int32_t pos);
+
+/* --- ring probes and their trails (stage_probe.c) --- */
+
+void kvs_st_send_probe(struct kvs_stage *s, uint32_t probe_no, uint32_t n, uint64_t t_recv);
+void kvs_st_on_keepalive(struct kvs_stage *s, const struct kvs_frame *f);
+
+#endif

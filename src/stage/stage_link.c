@@ -1,0 +1,442 @@
+/* Links (docs/PROTOCOL.md §4-§5): sending on the out link, the HELLO
+ * handshake both ways, the table of pending (not yet introduced) links,
+ * dialing the successor, and what a lost link does to the sequences. */
+#include "stage/stage_impl.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "gguf/gguf.h"
+
+/* Sends header h with payload already at sbuf + 24. Returns false if the out
+ * link is down or failed (the frame is dropped). */
+bool kvs_st_send_built(struct kvs_stage *s, struct kvs_frame_header *h)
+{
+    if (s->solo) return false; /* a one-stage ring has no links */
+    if (s->out_state != OUT_UP) {
+        if (h->kind != KVS_FRAME_KEEPALIVE) s->out_dropped++;
+        return false;
+    }
+    kvs_proto_put_header(s->sbuf, h);
+    size_t n = KVS_PROTO_HEADER_BYTES + h->payload_len;
+    kvs_err e = kvs_link_write(s->out, s->sbuf, n, s->p.timeout_ms);
+    if (e) {
+        char why[128];
+        snprintf(why, sizeof why, "writing %s: %s", kvs_frame_kind_name(h->kind), kvs_strerror(e));
+        kvs_st_out_lost(s, why);
+        return false;
+    }
+    s->out_last_write = kvs_link_now_ms();
+    kvs_st_met_add(s, &s->met.bytes_out, n);
+    return true;
+}
+
+bool kvs_st_send_simple(struct kvs_stage *s, uint8_t kind, uint8_t flags, uint32_t req, uint32_t pos)
+{
+    struct kvs_frame_header h = { .kind = kind, .flags = flags, .req = req, .pos = pos };
+    return kvs_st_send_built(s, &h);
+}
+
+bool kvs_st_send_error(struct kvs_stage *s, uint32_t req, kvs_err code, const char *msg)
+{
+    size_t n = kvs_proto_put_error(s->sbuf + KVS_PROTO_HEADER_BYTES, (uint32_t)code, msg);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_ERROR, .req = req, .payload_len = (uint32_t)n };
+    return kvs_st_send_built(s, &h);
+}
+
+/* Writes one ERROR directly on a link being refused (best effort). */
+void kvs_st_refuse(struct kvs_link *l, kvs_err code, const char *msg)
+{
+    uint8_t buf[KVS_PROTO_HEADER_BYTES + 4 + KVS_PROTO_MAX_ERRMSG];
+    size_t n = kvs_proto_put_error(buf + KVS_PROTO_HEADER_BYTES, (uint32_t)code, msg);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_ERROR, .payload_len = (uint32_t)n };
+    kvs_proto_put_header(buf, &h);
+    (void)kvs_link_write(l, buf, KVS_PROTO_HEADER_BYTES + n, 500);
+}
+
+static void make_hello(const struct kvs_stage *s, struct kvs_hello *m, uint32_t role)
+{
+    memcpy(m->fingerprint, s->fp, 32);
+    m->n_block = s->hp.n_block;
+    m->block_begin = (uint32_t)s->begin;
+    m->block_end = (uint32_t)s->end;
+    m->n_embd = s->n_embd;
+    m->role = role;
+    m->n_ctx = (uint32_t)s->n_ctx;
+    m->n_seq = (uint32_t)s->n_seq;
+}
+
+static void write_hello(const struct kvs_stage *s, uint8_t *buf, uint32_t role)
+{
+    struct kvs_hello m;
+    make_hello(s, &m, role);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_HELLO, .payload_len = KVS_PROTO_HELLO_BYTES };
+    kvs_proto_put_header(buf, &h);
+    kvs_proto_put_hello(buf + KVS_PROTO_HEADER_BYTES, &m);
+}
+
+/* PROTOCOL.md §4: is `o` (the far end, acting as `role`) a valid neighbour?
+ * On a mismatch, `local` gets the reason as this stage reads it ("it" = the
+ * far end) and `remote` the same reason as the far end reads it ("it" = this
+ * stage), for the ERROR sent back to it. */
+static kvs_err check_hello(const struct kvs_stage *s, const struct kvs_hello *o, uint32_t role, char *local,
+                           size_t lcap, char *remote, size_t rcap)
+{
+    if (o->role != role) {
+        snprintf(local, lcap, "it sent HELLO role %u, expected %u", o->role, role);
+        snprintf(remote, rcap, "it expected HELLO role %u, this stage sent %u", role, o->role);
+        return KVS_ERR_FORMAT;
+    }
+    if (memcmp(o->fingerprint, s->fp, 32)) {
+        char hx[65];
+        kvs_gguf_fingerprint_hex(o->fingerprint, hx);
+        snprintf(local, lcap, "it serves model %.16s..., this stage serves %.16s...", hx, s->fp_hex);
+        snprintf(remote, rcap, "it serves model %.16s..., this stage serves %.16s...", s->fp_hex, hx);
+        return KVS_ERR_MISMATCH;
+    }
+    if (o->n_block != s->hp.n_block || o->n_embd != s->n_embd) {
+        snprintf(local, lcap, "it has n_block %u n_embd %u, this stage %u %u", o->n_block, o->n_embd,
+                 s->hp.n_block, s->n_embd);
+        snprintf(remote, rcap, "it has n_block %u n_embd %u, this stage %u %u", s->hp.n_block, s->n_embd,
+                 o->n_block, o->n_embd);
+        return KVS_ERR_MISMATCH;
+    }
+    if (o->n_ctx != (uint32_t)s->n_ctx) {
+        snprintf(local, lcap, "it has n_ctx %u, this stage %d (all stages need the same --ctx)", o->n_ctx,
+                 (int)s->n_ctx);
+        snprintf(remote, rcap, "it has n_ctx %d, this stage %u (all stages need the same --ctx)", (int)s->n_ctx,
+                 o->n_ctx);
+        return KVS_ERR_MISMATCH;
+    }
+    /* pred = the stage before; succ = the stage after */
+    uint32_t pb, pe, sb, se;
+    if (role == KVS_HELLO_ROLE_PRED) {
+        pb = o->block_begin, pe = o->block_end, sb = (uint32_t)s->begin, se = (uint32_t)s->end;
+    } else {
+        pb = (uint32_t)s->begin, pe = (uint32_t)s->end, sb = o->block_begin, se = o->block_end;
+    }
+    bool ok = pb < pe && sb < se && (pe == sb || (pe == s->hp.n_block && sb == 0));
+    if (!ok) {
+        /* the predecessor's window must end where the successor's begins */
+        if (role == KVS_HELLO_ROLE_PRED) { /* this stage is the successor */
+            snprintf(local, lcap, "its window [%u,%u) does not end where this stage's [%u,%u) begins", pb, pe, sb,
+                     se);
+            snprintf(remote, rcap, "its window [%u,%u) does not begin where this stage's [%u,%u) ends", sb, se, pb,
+                     pe);
+        } else {
+            snprintf(local, lcap, "its window [%u,%u) does not begin where this stage's [%u,%u) ends", sb, se, pb,
+                     pe);
+            snprintf(remote, rcap, "its window [%u,%u) does not end where this stage's [%u,%u) begins", pb, pe, sb,
+                     se);
+        }
+        return KVS_ERR_MISMATCH;
+    }
+    return KVS_OK;
+}
+
+/* Every sequence is dead once a link on the data path broke. */
+void kvs_st_drop_all(struct kvs_stage *s, kvs_err err, const char *msg)
+{
+    for (int32_t i = 0; i < s->n_seq; i++) {
+        if (!s->seqs[i].used) continue;
+        if (s->is_head) kvs_st_head_end(s, &s->seqs[i], err, 0, msg);
+        else kvs_st_seq_free(s, &s->seqs[i]);
+    }
+}
+
+void kvs_st_in_lost(struct kvs_stage *s, const char *why)
+{
+    char msg[300];
+    snprintf(msg, sizeof msg, "stage [%d,%d) lost its predecessor %s: %s%s", (int)s->begin, (int)s->end,
+             s->in ? s->in->peer : "?", why, s->in_bye ? " (it shut down)" : "");
+    if (s->in_bye) KVS_LOGI("%s", msg); /* orderly: it said goodbye */
+    else KVS_LOGW("%s", msg);
+    s->in_bye = false;
+    kvs_link_close(s->in);
+    s->in = NULL;
+    kvs_proto_decoder_reset(s->in_dec);
+    kvs_st_met_add(s, &s->met.links_lost, 1);
+    kvs_st_drop_all(s, KVS_ERR_PEER, msg);
+    if (!s->is_head) kvs_st_send_error(s, 0, KVS_ERR_PEER, msg);
+    kvs_st_met_update(s);
+}
+
+void kvs_st_out_lost(struct kvs_stage *s, const char *why)
+{
+    char msg[KVS_PROTO_MAX_ERRMSG + 1024];
+    snprintf(msg, sizeof msg, "stage [%d,%d) lost its successor %s: %s%s", (int)s->begin, (int)s->end,
+             s->next_addr, why, s->out_bye ? " (it shut down)" : "");
+    if (s->out_state == OUT_UP && !s->out_bye) KVS_LOGW("%s", msg);
+    else if (s->out_state == OUT_UP) KVS_LOGI("%s", msg); /* orderly: it said goodbye */
+    else KVS_LOGD("%s", msg);
+    s->out_bye = false;
+    bool was_up = s->out_state == OUT_UP;
+    kvs_link_close(s->out);
+    s->out = NULL;
+    s->out_state = OUT_DOWN;
+    kvs_proto_decoder_reset(s->out_dec);
+    s->out_next_dial = kvs_link_now_ms() + kvs_link_backoff_ms(s->out_attempt++);
+    if (was_up) {
+        kvs_st_met_add(s, &s->met.links_lost, 1);
+        kvs_st_drop_all(s, KVS_ERR_PEER, msg);
+    }
+    kvs_st_met_update(s);
+}
+
+void kvs_st_pend_close(struct pending_link *pl)
+{
+    kvs_link_close(pl->l);
+    kvs_proto_decoder_free(pl->dec);
+    memset(pl, 0, sizeof *pl);
+}
+
+void kvs_st_accept_new(struct kvs_stage *s)
+{
+    for (;;) {
+        struct kvs_link *l;
+        kvs_err e = kvs_tcp_accept(s->lst, &l);
+        if (e) return;
+        int slot = -1;
+        for (int i = 0; i < MAX_PENDING_LINKS; i++)
+            if (!s->pend[i].l) slot = i;
+        if (slot < 0) { /* evict the oldest */
+            slot = 0;
+            for (int i = 1; i < MAX_PENDING_LINKS; i++)
+                if (s->pend[i].since < s->pend[slot].since) slot = i;
+            KVS_LOGW("closing link from %s: no HELLO yet and too many pending links", s->pend[slot].l->peer);
+            kvs_st_pend_close(&s->pend[slot]);
+        }
+        s->pend[slot].dec = kvs_proto_decoder_create(KVS_PROTO_HELLO_BYTES + 64, s->n_embd);
+        if (!s->pend[slot].dec) {
+            kvs_link_close(l);
+            return;
+        }
+        s->pend[slot].l = l;
+        s->pend[slot].since = kvs_link_now_ms();
+        KVS_LOGD("accepted a link from %s", l->peer);
+    }
+}
+
+/* Reads from a pending (not yet introduced) link; installs it as the in link
+ * on a valid HELLO. */
+void kvs_st_pend_read(struct kvs_stage *s, struct pending_link *pl)
+{
+    uint8_t buf[256];
+    size_t got;
+    kvs_err e = kvs_link_read(pl->l, buf, sizeof buf, &got);
+    if (e == KVS_ERR_NEED_MORE) return;
+    if (e) {
+        KVS_LOGD("pending link from %s closed before its HELLO", pl->l->peer);
+        kvs_st_pend_close(pl);
+        return;
+    }
+    size_t off = 0;
+    while (off < got) {
+        size_t used;
+        e = kvs_proto_decoder_feed(pl->dec, buf + off, got - off, &used);
+        off += used;
+        if (e == KVS_ERR_NEED_MORE) return;
+        char msg[256];
+        if (e) {
+            KVS_LOGW("closing link from %s: bad frame: %s", pl->l->peer, kvs_proto_decoder_error(pl->dec));
+            kvs_st_met_add(s, &s->met.frames_rejected, 1);
+            snprintf(msg, sizeof msg, "bad frame: %s", kvs_proto_decoder_error(pl->dec));
+            kvs_st_refuse(pl->l, e, msg);
+            kvs_st_pend_close(pl);
+            return;
+        }
+        const struct kvs_frame *f = kvs_proto_decoder_frame(pl->dec);
+        struct kvs_hello o;
+        kvs_err ce = KVS_ERR_FORMAT;
+        char rmsg[256];
+        bool hello = f->h.kind == KVS_FRAME_HELLO;
+        if (s->solo) {
+            snprintf(msg, sizeof msg, "this stage serves the whole model alone (a one-stage ring)");
+            snprintf(rmsg, sizeof rmsg, "it serves the whole model alone (a one-stage ring): no predecessor");
+            ce = KVS_ERR_MISMATCH;
+        } else if (hello) {
+            kvs_proto_get_hello(f, &o);
+            ce = check_hello(s, &o, KVS_HELLO_ROLE_PRED, msg, sizeof msg, rmsg, sizeof rmsg);
+        } else {
+            snprintf(msg, sizeof msg, "first frame is %s, expected HELLO", kvs_frame_kind_name(f->h.kind));
+            snprintf(rmsg, sizeof rmsg, "it expected HELLO as the first frame, not %s",
+                     kvs_frame_kind_name(f->h.kind));
+        }
+        if (ce) {
+            char full[sizeof s->in_refusal];
+            snprintf(full, sizeof full, "refusing predecessor %s: %s", pl->l->peer, msg);
+            KVS_LOGW("%s", full);
+            kvs_st_met_add(s, &s->met.frames_rejected, 1);
+            kvs_st_refuse(pl->l, ce, rmsg);
+            if (hello) { /* a stage that does not fit: the ring cannot close with it */
+                pthread_mutex_lock(&s->mu);
+                s->in_refusal_code = ce;
+                snprintf(s->in_refusal, sizeof s->in_refusal, "%s", full);
+                pthread_mutex_unlock(&s->mu);
+                pthread_cond_broadcast(&s->cv);
+            }
+            kvs_st_pend_close(pl);
+            return;
+        }
+        uint8_t hb[KVS_PROTO_HEADER_BYTES + KVS_PROTO_HELLO_BYTES];
+        write_hello(s, hb, KVS_HELLO_ROLE_SUCC);
+        if (kvs_link_write(pl->l, hb, sizeof hb, 1000)) {
+            kvs_st_pend_close(pl);
+            return;
+        }
+        if (s->in) kvs_st_in_lost(s, "replaced by a new link");
+        pthread_mutex_lock(&s->mu);
+        s->in_refusal_code = KVS_OK;
+        s->in_refusal[0] = '\0';
+        pthread_mutex_unlock(&s->mu);
+        s->in = pl->l;
+        pl->l = NULL;
+        kvs_proto_decoder_reset(s->in_dec);
+        s->in_last_read = kvs_link_now_ms();
+        KVS_LOGI("predecessor [%u,%u) connected from %s", o.block_begin, o.block_end, s->in->peer);
+        if (off < got) /* bytes after the HELLO belong to the in link */
+            KVS_LOGD("dropping %zu early bytes from %s", got - off, s->in->peer);
+        kvs_st_pend_close(pl);
+        kvs_st_met_update(s);
+        return;
+    }
+}
+
+/* The successor refused this stage (or its HELLO does not fit): a
+ * configuration error that re-dialing will not fix until someone restarts a
+ * stage. Logged as an error at every attempt, re-dialed with a growing
+ * backoff (1, 2, 4 .. 16 s), and kept as the reason the ring cannot close
+ * (requests fail with it, kvs_stage_wait_ready returns it). */
+static void out_refused(struct kvs_stage *s, kvs_err code, const char *msg)
+{
+    int shift = s->out_refused < 4 ? s->out_refused : 4;
+    int64_t backoff = (int64_t)1000 << shift;
+    if (backoff > REFUSED_BACKOFF_MAX_MS) backoff = REFUSED_BACKOFF_MAX_MS;
+    s->out_refused++;
+    KVS_LOGE("%s (attempt %d, retrying in %d s)", msg, s->out_refused, (int)(backoff / 1000));
+    kvs_st_met_add(s, &s->met.frames_rejected, 1);
+    pthread_mutex_lock(&s->mu);
+    s->out_refusal_code = code ? code : KVS_ERR_MISMATCH;
+    snprintf(s->out_refusal, sizeof s->out_refusal, "%s", msg);
+    pthread_mutex_unlock(&s->mu);
+    kvs_st_out_lost(s, msg);
+    s->out_next_dial = kvs_link_now_ms() + backoff;
+    pthread_cond_broadcast(&s->cv);
+}
+
+void kvs_st_dial_next(struct kvs_stage *s)
+{
+    char err[256];
+    struct kvs_link *l;
+    kvs_err e = kvs_tcp_dial(s->next_addr, 500, &l, err, sizeof err);
+    if (e) {
+        pthread_mutex_lock(&s->mu);
+        s->out_refusal_code = KVS_OK;
+        s->out_refusal[0] = '\0';
+        pthread_mutex_unlock(&s->mu);
+        s->out_refused = 0;
+        if (!s->out_warned && s->out_attempt >= 20) {
+            KVS_LOGW("still cannot reach the successor: %s (retrying)", err);
+            s->out_warned = true;
+        }
+        s->out_next_dial = kvs_link_now_ms() + kvs_link_backoff_ms(s->out_attempt++);
+        return;
+    }
+    uint8_t hb[KVS_PROTO_HEADER_BYTES + KVS_PROTO_HELLO_BYTES];
+    write_hello(s, hb, KVS_HELLO_ROLE_PRED);
+    if (kvs_link_write(l, hb, sizeof hb, 1000)) {
+        kvs_link_close(l);
+        s->out_next_dial = kvs_link_now_ms() + kvs_link_backoff_ms(s->out_attempt++);
+        return;
+    }
+    s->out = l;
+    s->out_state = OUT_HANDSHAKE;
+    s->out_since = kvs_link_now_ms();
+    kvs_proto_decoder_reset(s->out_dec);
+}
+
+/* Reads on the out link: the HELLO reply, an ERROR refusal, or EOF. */
+void kvs_st_out_read(struct kvs_stage *s)
+{
+    uint8_t buf[512];
+    size_t got;
+    kvs_err e = kvs_link_read(s->out, buf, sizeof buf, &got);
+    if (e == KVS_ERR_NEED_MORE) return;
+    if (e) {
+        kvs_st_out_lost(s, e == KVS_ERR_PEER ? "closed by the far end" : "read error");
+        return;
+    }
+    size_t off = 0;
+    while (off < got && s->out) {
+        size_t used;
+        e = kvs_proto_decoder_feed(s->out_dec, buf + off, got - off, &used);
+        off += used;
+        if (e == KVS_ERR_NEED_MORE) return;
+        char msg[KVS_PROTO_MAX_ERRMSG + 400];
+        if (e) {
+            snprintf(msg, sizeof msg, "bad frame from the successor: %s", kvs_proto_decoder_error(s->out_dec));
+            KVS_LOGW("%s", msg);
+            kvs_st_out_lost(s, msg);
+            return;
+        }
+        const struct kvs_frame *f = kvs_proto_decoder_frame(s->out_dec);
+        if (f->h.kind == KVS_FRAME_ERROR) {
+            uint32_t code;
+            char m2[KVS_PROTO_MAX_ERRMSG + 1];
+            kvs_proto_get_error(f, &code, m2, sizeof m2);
+            kvs_err ce = code > 0 && code < KVS_ERR_COUNT_ ? (kvs_err)code : KVS_ERR_PEER;
+            if (s->out_state == OUT_HANDSHAKE) {
+                snprintf(msg, sizeof msg, "successor %s refused this stage: %s", s->next_addr, m2);
+                out_refused(s, ce, msg);
+            } else if (f->h.req == 0 && ce == KVS_ERR_CANCELLED) {
+                KVS_LOGI("successor %s says goodbye: %s", s->next_addr, m2);
+                s->out_bye = true;
+                kvs_st_out_lost(s, "it said goodbye");
+            } else {
+                snprintf(msg, sizeof msg, "the successor closed the link: %s", m2);
+                KVS_LOGW("%s", msg);
+                kvs_st_out_lost(s, msg);
+            }
+            return;
+        }
+        if (s->out_state == OUT_HANDSHAKE && f->h.kind == KVS_FRAME_HELLO) {
+            struct kvs_hello o;
+            kvs_proto_get_hello(f, &o);
+            char rmsg[256], m3[256];
+            kvs_err ce = check_hello(s, &o, KVS_HELLO_ROLE_SUCC, m3, sizeof m3, rmsg, sizeof rmsg);
+            if (ce) {
+                snprintf(msg, sizeof msg, "successor %s does not fit this stage: %s", s->next_addr, m3);
+                out_refused(s, ce, msg);
+                return;
+            }
+            s->out_state = OUT_UP;
+            s->out_attempt = 0;
+            s->out_refused = 0;
+            pthread_mutex_lock(&s->mu);
+            s->out_refusal_code = KVS_OK;
+            s->out_refusal[0] = '\0';
+            pthread_mutex_unlock(&s->mu);
+            s->out_warned = false;
+            s->out_last_write = kvs_link_now_ms();
+            KVS_LOGI("successor [%u,%u) connected at %s", o.block_begin, o.block_end, s->next_addr);
+            bool rejoin = s->out_ever_up || s->out_dropped > 0;
+            s->out_ever_up = true;
+            s->out_dropped = 0;
+            if (!s->is_head && rejoin) {
+                /* Frames sent while this link was down are lost: requests in
+                 * flight cannot finish. Tell every stage and the head (§5). */
+                snprintf(msg, sizeof msg, "stage [%d,%d) re-joined its successor: requests in flight are lost",
+                         (int)s->begin, (int)s->end);
+                kvs_st_drop_all(s, KVS_ERR_PEER, msg);
+                kvs_st_send_error(s, 0, KVS_ERR_PEER, msg);
+            }
+            kvs_st_met_update(s);
+            continue;
+        }
+        snprintf(msg, sizeof msg, "unexpected %s frame from the successor", kvs_frame_kind_name(f->h.kind));
+        kvs_st_out_lost(s, msg);
+        return;
+    }
+}

@@ -1,0 +1,23 @@
+/* Stage parameters from a manifest (docs/MANIFEST.md). */
+#include "stage/stage_impl.h"
+
+#include "plan/plan.h"
+
+kvs_err kvs_stage_params_from_manifest(const struct kvs_manifest *mf, int32_t rank, struct kvs_stage_params *p)
+{
+    if (rank < 0 || (size_t)rank >= mf->n_ranks) return KVS_ERR_NOT_FOUND;
+    if (!mf->model_path[0]) return KVS_ERR_ARG;
+    const struct kvs_manifest_rank *k = &mf->ranks[rank];
+    p->model_path = mf->model_path;
+    p->fingerprint = mf->fingerprint[0] ? mf->fingerprint : NULL;
+    p->block_begin = (int32_t)k->begin;
+    p->block_end = (int32_t)k->end;
+    p->listen = k->listen;
+    p->next = k->next;
+    if (k->threads > 0) p->n_threads = (int32_t)k->threads;
+    /* the serving targets the plan was made for (docs/MANIFEST.md) */
+    if (mf->ctx > 0) p->n_ctx = (int32_t)mf->ctx;
+    if (mf->seqs > 0) p->n_seq = (int32_t)mf->seqs;
+    if (mf->boundary_bytes) p->boundary_f32 = mf->boundary_bytes == 4;
+    return KVS_OK;
+}

@@ -1,0 +1,87 @@
+/* Ring probes (docs/PROTOCOL.md §3.8, §3.8.1): keepalive probes, the trail
+ * every stage appends to, and the head's copy of the last trail. */
+#include "stage/stage_impl.h"
+
+#include <pthread.h>
+#include <string.h>
+
+/* This stage's trail record (§3.8.1), t_send_us left 0. */
+static void trail_rec(struct kvs_stage *s, struct kvs_trail_rec *r, uint64_t t_recv)
+{
+    pthread_mutex_lock(&s->mu);
+    *r = (struct kvs_trail_rec){ .block_begin = (uint32_t)s->begin, .block_end = (uint32_t)s->end,
+                                 .forward_calls = s->met.forward_calls, .forward_us = s->fwd_us,
+                                 .rows = s->met.prefill_tokens + s->met.decode_rows,
+                                 .bytes_out = s->met.bytes_out, .t_recv_us = t_recv };
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Sends a ring probe whose trail is the n records already at sbuf + 24 plus
+ * this stage's own (appended unless the trail is full). */
+void kvs_st_send_probe(struct kvs_stage *s, uint32_t probe_no, uint32_t n, uint64_t t_recv)
+{
+    uint8_t *p = s->sbuf + KVS_PROTO_HEADER_BYTES;
+    if (n < KVS_PROTO_MAX_TRAIL) {
+        struct kvs_trail_rec r;
+        trail_rec(s, &r, t_recv);
+        /* the record counts the probe itself in bytes_out: every stage alike */
+        r.bytes_out += KVS_PROTO_HEADER_BYTES + (uint64_t)(n + 1) * KVS_PROTO_TRAIL_REC_BYTES;
+        r.t_send_us = kvs_st_wall_us();
+        if (!t_recv) r.t_recv_us = r.t_send_us;
+        kvs_proto_put_trail_rec(p + (size_t)n * KVS_PROTO_TRAIL_REC_BYTES, &r);
+        n++;
+    }
+    struct kvs_frame_header h = { .kind = KVS_FRAME_KEEPALIVE, .flags = KVS_FRAME_FLAG_PROBE | KVS_FRAME_FLAG_TRAIL,
+                                  .pos = probe_no, .n_tokens = n,
+                                  .payload_len = n * KVS_PROTO_TRAIL_REC_BYTES };
+    kvs_st_send_built(s, &h);
+}
+
+/* Head: a TRAIL probe came back: keep its per-stage figures. */
+static void head_take_trail(struct kvs_stage *s, const struct kvs_frame *f, uint64_t t_back)
+{
+    uint32_t n = f->h.n_tokens;
+    struct kvs_trail_rec r, nx;
+    pthread_mutex_lock(&s->mu);
+    s->n_hops = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        kvs_proto_get_trail_rec(f, i, &r);
+        struct kvs_stage_hop *o = &s->hops[s->n_hops++];
+        uint64_t next_recv = t_back;
+        if (i + 1 < n) {
+            kvs_proto_get_trail_rec(f, i + 1, &nx);
+            next_recv = nx.t_recv_us;
+        }
+        *o = (struct kvs_stage_hop){ .block_begin = (int32_t)r.block_begin, .block_end = (int32_t)r.block_end,
+                                     .forward_calls = r.forward_calls, .forward_ms = (double)r.forward_us / 1000.0,
+                                     .rows = r.rows, .bytes_out = r.bytes_out,
+                                     .residence_ms = r.t_send_us >= r.t_recv_us
+                                                         ? (double)(r.t_send_us - r.t_recv_us) / 1000.0 : 0.0,
+                                     .hop_ms = (double)((int64_t)next_recv - (int64_t)r.t_send_us) / 1000.0 };
+        if (i == 0) s->probe_rtt_ms = (double)((int64_t)t_back - (int64_t)r.t_send_us) / 1000.0;
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+void kvs_st_on_keepalive(struct kvs_stage *s, const struct kvs_frame *f)
+{
+    if (!(f->h.flags & KVS_FRAME_FLAG_PROBE)) return;
+    uint64_t now = kvs_st_wall_us();
+    if (s->is_head) {
+        /* Any of the last PROBE_ACCEPT probes counts: while the ring is not
+         * known closed they go out every PROBE_UNREADY_MS, faster than a ring
+         * with a longer round trip (a relay, a busy stage) brings one back. */
+        if ((uint32_t)(s->probe_no - f->h.pos) < PROBE_ACCEPT) {
+            s->probe_back = kvs_link_now_ms();
+            if (f->h.flags & KVS_FRAME_FLAG_TRAIL) head_take_trail(s, f, now);
+        }
+        kvs_st_met_update(s);
+        return;
+    }
+    if (!(f->h.flags & KVS_FRAME_FLAG_TRAIL)) {
+        kvs_st_send_simple(s, KVS_FRAME_KEEPALIVE, KVS_FRAME_FLAG_PROBE, 0, f->h.pos);
+        return;
+    }
+    memcpy(s->sbuf + KVS_PROTO_HEADER_BYTES, f->payload, f->h.payload_len);
+    kvs_st_send_probe(s, f->h.pos, f->h.n_tokens, now);
+}
