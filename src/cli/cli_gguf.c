@@ -22,7 +22,8 @@ static void usage_info(FILE *f)
             "\n"
             "Validates FILE and prints: GGUF version, alignment, architecture, every <arch>.* key,\n"
             "vocabulary size and tokenizer model, tensor count and bytes, bytes by tensor type,\n"
-            "bytes per block (blk.N.*) and outside blocks, and the model fingerprint.\n"
+            "bytes per block (blk.N.*; nextn/MTP blocks marked) and outside blocks, the main block\n"
+            "count (block_count - nextn_predict_layers) and the model fingerprint.\n"
             "Exit status: 0 ok, 1 the file is unreadable or invalid, 2 usage error.\n");
 }
 
@@ -289,11 +290,15 @@ static int cmd_info(int argc, char **argv)
             printf("  %-8s %6" PRIu64 " tensors %14" PRIu64 " bytes\n", kvs_type_name((enum kvs_type)ty),
                    type_count[ty], type_bytes[ty]);
     qsort(blocks, nb, sizeof *blocks, cmp_block);
+    uint32_t n_main = 0; /* block_count - nextn_predict_layers: the ring's blocks */
+    const bool have_main = kvs_shard_block_count(g, &n_main) == KVS_OK;
     printf("bytes by block: %zu blocks\n", nb);
     for (size_t j = 0; j < nb; j++)
-        printf("  blk.%-6" PRIu32 " %6" PRIu64 " tensors %14" PRIu64 " bytes\n", blocks[j].blk, blocks[j].count,
-               blocks[j].bytes);
+        printf("  blk.%-6" PRIu32 " %6" PRIu64 " tensors %14" PRIu64 " bytes%s\n", blocks[j].blk, blocks[j].count,
+               blocks[j].bytes, have_main && blocks[j].blk >= n_main ? "  (nextn/MTP: in no window)" : "");
     printf("  %-10s %6" PRIu64 " tensors %14" PRIu64 " bytes\n", "non-block", other_count, other_bytes);
+    if (have_main)
+        printf("main blocks: %" PRIu32 " (windows, shards and the planner count these)\n", n_main);
     free(blocks);
 
     uint8_t fp[32];

@@ -142,4 +142,36 @@ void kvs_matmul_rows(const struct kvs_kernels *k, struct kvs_pool *pool, const s
 void kvs_matmul_multi(const struct kvs_kernels *k, struct kvs_pool *pool, int n, const struct kvs_matrix *const W[],
                       const float *x, int64_t n_tok, float *const y[], void *scratch);
 
+/* --- Gated DeltaNet (qwen35, qwen35moe): ../shared/docs/qwen35-facts.md §3.2 ---
+ * Scalar references kvs_ref_ssm_* (kernels_ssm.c) beside SIMD paths (AVX2,
+ * AVX-512; other ISAs use the reference); tests compare them. F32 throughout,
+ * nothing allocates. */
+
+/* Causal depthwise conv of one token over channels [c0, c1) of C, kernel K
+ * (2..64), then SiLU: y[c] = silu(sum_{i<K-1} wt[i][c]·state[i][c] + wt[K-1][c]·x[c]);
+ * then state's K-1 time rows shift by one (oldest dropped) and row K-2 takes
+ * x. state: [K-1][C] time-major, oldest first (pre-conv inputs); wt: [K][C]
+ * (the GGUF's {K, C} ssm_conv1d transposed: wt[i][c] = conv1d[c·K + i]);
+ * x, y: [C] (only [c0, c1) read/written). */
+void kvs_ssm_conv_step(const struct kvs_kernels *k, float *state, const float *wt, const float *x, float *y,
+                       int64_t c0, int64_t c1, int64_t C, int K);
+void kvs_ref_ssm_conv_step(float *state, const float *wt, const float *x, float *y, int64_t c0, int64_t c1,
+                           int64_t C, int K);
+
+/* One token of the gated delta rule for one value head with state
+ * S [d][d] (row j = value dim j, column i = key dim i: S[j·d + i]):
+ *   S ← decay·S;  δ_j = beta·(v_j − Σ_i S[j][i]·kk_i);  S[j][i] += kk_i·δ_j;
+ *   o_j = scale·Σ_i S[j][i]·q_i.
+ * q, kk (L2-normed), v, o: [d]. decay = exp(g) in (0, 1]. */
+void kvs_ssm_delta_step(const struct kvs_kernels *k, float *S, const float *q, const float *kk, const float *v,
+                        float decay, float beta, float scale, float *o, int64_t d);
+void kvs_ref_ssm_delta_step(float *S, const float *q, const float *kk, const float *v, float decay, float beta,
+                            float scale, float *o, int64_t d);
+
+/* Gated RMSNorm of one head: o[i] ← o[i]/sqrt(mean(o²) + eps)·w[i]·silu(z[i]),
+ * i < d. */
+void kvs_ssm_gated_norm(const struct kvs_kernels *k, float *o, const float *z, const float *w, int64_t d,
+                        float eps);
+void kvs_ref_ssm_gated_norm(float *o, const float *z, const float *w, int64_t d, float eps);
+
 #endif

@@ -1,6 +1,9 @@
-/* A window of transformer blocks: weights (views into the GGUF mapping), the
- * F16 KV cache and the forward pass of ../shared/docs/gguf-facts.md §4. */
-#include "model/model.h"
+/* A window of transformer blocks: loading (weights are views into the GGUF
+ * mapping), the F16 KV cache, the recurrent state of hybrid models and the
+ * forward loop of ../shared/docs/gguf-facts.md §4 and
+ * ../shared/docs/qwen35-facts.md §3.1. The block kinds are in model_attn.c,
+ * model_gdn.c, model_ffn.c and model_moe.c (model_impl.h). */
+#include "model/model_impl.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -16,63 +19,6 @@
 #define MODEL_MAX_THREADS 512
 #define MODEL_MAX_SEQ 65536
 #define MODEL_MAX_BATCH 65536
-
-/* Weights of one block. Pointers borrow the GGUF mapping. */
-struct block_w {
-    const float *attn_norm;              /* [E] */
-    struct kvs_matrix wq, wk, wv, wo;    /* {E, H·D}, {E, Hkv·D}, {E, Hkv·D}, {H·D, E} */
-    const float *bq, *bk, *bv, *bo;      /* [H·D], [Hkv·D], [Hkv·D], [E]; NULL if absent */
-    const float *q_norm, *k_norm;        /* [D] (qwen3, qwen3moe), else NULL */
-    const float *ffn_norm;               /* [E] */
-    struct kvs_matrix gate, up, down;    /* dense: {E, F}, {E, F}, {F, E} */
-    struct kvs_matrix router;            /* MoE: {E, X} F32 */
-    struct kvs_matrix gate_x, up_x, down_x; /* MoE: expert 0's slice {E, Fe}, {E, Fe}, {Fe, E} */
-    size_t gate_x_stride, up_x_stride, down_x_stride; /* bytes between experts' slices */
-};
-
-struct kvs_model {
-    struct kvs_hparams hp;
-    int32_t begin, end, n_blk;
-    int32_t n_ctx, n_seq, n_batch, n_threads;
-    int32_t q_dim, kv_dim; /* H·D, Hkv·D */
-    int32_t ff_max;        /* max(n_ff, n_ff_exp) */
-    const struct kvs_kernels *k;
-    struct kvs_pool *pool;
-
-    const struct kvs_gguf_tensor *tok_embd; /* {E, V} or NULL */
-    const float *out_norm;                  /* [E] or NULL */
-    struct kvs_matrix out_w;                /* {E, V} (output or tied embedding) */
-    const float *rope_freqs;                /* [n_rot/2] or NULL */
-    struct block_w *blk;                    /* [n_blk] */
-
-    uint16_t *kcache, *vcache; /* [n_blk][n_seq][n_ctx][kv_dim] F16 */
-    int32_t *n_past;           /* [n_seq] cached positions per sequence */
-    int32_t *expect;           /* [n_seq] work: next position while validating */
-    float *f16tab;             /* [65536] F16 -> F32 */
-
-    /* Work buffers, [n_batch][...] each. */
-    float *x;        /* [n_batch][E] residual stream */
-    float *xn;       /* [n_batch][E] normed input */
-    float *q;        /* [n_batch][H·D] */
-    float *kv_k;     /* [n_batch][Hkv·D] */
-    float *kv_v;     /* [n_batch][Hkv·D] */
-    float *att;      /* [n_batch][H·D] attention output */
-    float *tmp;      /* [n_batch][E] */
-    float *ffa;      /* [n_batch][ff_max] */
-    float *ffb;      /* [n_batch][ff_max] */
-    float *rope_cs;  /* [n_batch][n_rot] (cos, sin) pairs */
-    uint16_t *att_ws16; /* [n_threads][2·D] F16 q and V accumulator */
-    void *mm_scratch;
-    void *packw;        /* anonymous mapping: the window's matrices in the kernels' packed layout */
-    size_t packw_bytes;
-    /* MoE */
-    float *router;     /* [n_batch][X] */
-    int32_t *sel;      /* [n_batch][k] chosen experts */
-    float *selw;       /* [n_batch][k] their weights */
-    int32_t *rows;     /* [n_batch·k] (token·k + slot) of the gathered rows */
-    float *moe_in;     /* [n_batch][E] gathered rows */
-    float *moe_y;      /* [n_batch][k][E] weighted expert outputs */
-};
 
 static void set_err(char *errbuf, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void set_err(char *errbuf, size_t errlen, const char *fmt, ...)
@@ -94,33 +40,34 @@ struct kvs_model_params kvs_model_default_params(void)
 
 /* --- loading --------------------------------------------------------------- */
 
-struct loader {
-    const struct kvs_gguf *g;
-    const struct kvs_model *m;
-    char *errbuf;
-    size_t errlen;
-};
+void kvs_model__err(struct kvs_model_loader *L, const char *fmt, ...)
+{
+    if (!L->errbuf || !L->errlen) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(L->errbuf, L->errlen, fmt, ap);
+    va_end(ap);
+}
 
 /* Finds `name` and checks its shape (ne0, ne1, ne2; unused dims 1). */
-static kvs_err find_tensor(struct loader *L, const char *name, int64_t ne0, int64_t ne1, int64_t ne2, bool required,
-                           const struct kvs_gguf_tensor **out)
+static kvs_err find_tensor(struct kvs_model_loader *L, const char *name, int64_t ne0, int64_t ne1, int64_t ne2,
+                           bool required, const struct kvs_gguf_tensor **out)
 {
     *out = NULL;
     const struct kvs_gguf_tensor *t = kvs_gguf_find_tensor(L->g, name);
     if (!t) {
         if (!required) return KVS_OK;
-        set_err(L->errbuf, L->errlen, "tensor '%s' is missing", name);
+        kvs_model__err(L, "tensor '%s' is missing", name);
         return KVS_ERR_NOT_FOUND;
     }
     if (t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != ne2 || t->ne[3] != 1) {
-        set_err(L->errbuf, L->errlen,
-                "tensor '%s' has shape {%lld, %lld, %lld, %lld}, expected {%lld, %lld, %lld}", name,
-                (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2], (long long)t->ne[3], (long long)ne0,
-                (long long)ne1, (long long)ne2);
+        kvs_model__err(L, "tensor '%s' has shape {%lld, %lld, %lld, %lld}, expected {%lld, %lld, %lld}", name,
+                       (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2], (long long)t->ne[3],
+                       (long long)ne0, (long long)ne1, (long long)ne2);
         return KVS_ERR_FORMAT;
     }
     if (!t->data) {
-        set_err(L->errbuf, L->errlen, "tensor '%s' has no data in this file", name);
+        kvs_model__err(L, "tensor '%s' has no data in this file", name);
         return KVS_ERR_NOT_FOUND;
     }
     kvs_gguf_willneed(L->g, t);
@@ -128,34 +75,32 @@ static kvs_err find_tensor(struct loader *L, const char *name, int64_t ne0, int6
     return KVS_OK;
 }
 
-/* An F32 vector (norm weight, bias) of n values. */
-static kvs_err load_vec(struct loader *L, const char *name, int64_t n, bool required, const float **out)
+kvs_err kvs_model__vec(struct kvs_model_loader *L, const char *name, int64_t n, bool required, const float **out)
 {
     const struct kvs_gguf_tensor *t;
     *out = NULL;
     kvs_err e = find_tensor(L, name, n, 1, 1, required, &t);
     if (e || !t) return e;
     if (t->type != KVS_TYPE_F32) {
-        set_err(L->errbuf, L->errlen, "tensor '%s' is %s; only F32 is supported for vectors", name,
-                kvs_type_name(t->type));
+        kvs_model__err(L, "tensor '%s' is %s; only F32 is supported for vectors", name, kvs_type_name(t->type));
         return KVS_ERR_UNSUPPORTED;
     }
     *out = (const float *)t->data;
     return KVS_OK;
 }
 
-static kvs_err make_matrix(struct loader *L, const struct kvs_gguf_tensor *t, int64_t ne0, int64_t ne1,
+static kvs_err make_matrix(struct kvs_model_loader *L, const struct kvs_gguf_tensor *t, int64_t ne0, int64_t ne1,
                            struct kvs_matrix *out)
 {
     if (!kvs_type_supported(t->type)) {
-        set_err(L->errbuf, L->errlen, "tensor '%s' has type %s, which the kernels do not support", t->name,
-                kvs_type_name(t->type));
+        kvs_model__err(L, "tensor '%s' has type %s, which the kernels do not support", t->name,
+                       kvs_type_name(t->type));
         return KVS_ERR_UNSUPPORTED;
     }
     size_t rb = kvs_type_row_bytes(t->type, ne0);
     if (rb == 0) {
-        set_err(L->errbuf, L->errlen, "tensor '%s': row of %lld is not a whole number of %s blocks", t->name,
-                (long long)ne0, kvs_type_name(t->type));
+        kvs_model__err(L, "tensor '%s': row of %lld is not a whole number of %s blocks", t->name, (long long)ne0,
+                       kvs_type_name(t->type));
         return KVS_ERR_FORMAT;
     }
     out->type = t->type;
@@ -166,8 +111,7 @@ static kvs_err make_matrix(struct loader *L, const struct kvs_gguf_tensor *t, in
     return KVS_OK;
 }
 
-/* A 2-D weight {ne0, ne1}. */
-static kvs_err load_mat(struct loader *L, const char *name, int64_t ne0, int64_t ne1, struct kvs_matrix *out)
+kvs_err kvs_model__mat(struct kvs_model_loader *L, const char *name, int64_t ne0, int64_t ne1, struct kvs_matrix *out)
 {
     const struct kvs_gguf_tensor *t;
     kvs_err e = find_tensor(L, name, ne0, ne1, 1, true, &t);
@@ -175,9 +119,8 @@ static kvs_err load_mat(struct loader *L, const char *name, int64_t ne0, int64_t
     return make_matrix(L, t, ne0, ne1, out);
 }
 
-/* A 3-D expert weight {ne0, ne1, X}: the matrix of expert 0 and the stride. */
-static kvs_err load_exps(struct loader *L, const char *name, int64_t ne0, int64_t ne1, int64_t nx,
-                         struct kvs_matrix *out, size_t *stride)
+kvs_err kvs_model__exps(struct kvs_model_loader *L, const char *name, int64_t ne0, int64_t ne1, int64_t nx,
+                        struct kvs_matrix *out, size_t *stride)
 {
     const struct kvs_gguf_tensor *t;
     kvs_err e = find_tensor(L, name, ne0, ne1, nx, true, &t);
@@ -187,50 +130,22 @@ static kvs_err load_exps(struct loader *L, const char *name, int64_t ne0, int64_
     return KVS_OK;
 }
 
-static kvs_err load_block(struct loader *L, int32_t il, struct block_w *b)
+/* Block il (GGUF index): its norms, its mixer (attention or GDN) and FFN. */
+static kvs_err load_block(struct kvs_model_loader *L, int32_t il, struct block_w *b)
 {
     const struct kvs_hparams *hp = &L->m->hp;
-    const int64_t E = hp->n_embd, D = hp->head_dim, QD = (int64_t)hp->n_head * D, KD = (int64_t)hp->n_head_kv * D;
+    const int64_t E = hp->n_embd;
+    const bool hybrid = kvs_hparams_hybrid(hp);
     char n[KVS_GGUF_MAX_NAME + 16];
     kvs_err e;
-#define NAME(s) (snprintf(n, sizeof n, "blk.%d." s, (int)il), n)
-    if ((e = load_vec(L, NAME("attn_norm.weight"), E, true, &b->attn_norm))) return e;
-    if ((e = load_mat(L, NAME("attn_q.weight"), E, QD, &b->wq))) return e;
-    if ((e = load_mat(L, NAME("attn_k.weight"), E, KD, &b->wk))) return e;
-    if ((e = load_mat(L, NAME("attn_v.weight"), E, KD, &b->wv))) return e;
-    if ((e = load_mat(L, NAME("attn_output.weight"), QD, E, &b->wo))) return e;
-    bool need_bias = hp->arch == KVS_ARCH_QWEN2;
-    bool may_bias = hp->arch == KVS_ARCH_QWEN2 || hp->arch == KVS_ARCH_LLAMA;
-    if (may_bias) {
-        if ((e = load_vec(L, NAME("attn_q.bias"), QD, need_bias, &b->bq))) return e;
-        if ((e = load_vec(L, NAME("attn_k.bias"), KD, need_bias, &b->bk))) return e;
-        if ((e = load_vec(L, NAME("attn_v.bias"), KD, need_bias, &b->bv))) return e;
-    }
-    if (hp->arch == KVS_ARCH_LLAMA && (e = load_vec(L, NAME("attn_output.bias"), E, false, &b->bo))) return e;
-    if (hp->arch == KVS_ARCH_QWEN3 || hp->arch == KVS_ARCH_QWEN3MOE) {
-        if ((e = load_vec(L, NAME("attn_q_norm.weight"), D, true, &b->q_norm))) return e;
-        if ((e = load_vec(L, NAME("attn_k_norm.weight"), D, true, &b->k_norm))) return e;
-    }
-    if ((e = load_vec(L, NAME("ffn_norm.weight"), E, true, &b->ffn_norm))) return e;
-    if (hp->n_expert == 0) {
-        const int64_t F = hp->n_ff;
-        if ((e = load_mat(L, NAME("ffn_gate.weight"), E, F, &b->gate))) return e;
-        if ((e = load_mat(L, NAME("ffn_up.weight"), E, F, &b->up))) return e;
-        if ((e = load_mat(L, NAME("ffn_down.weight"), F, E, &b->down))) return e;
-    } else {
-        const int64_t X = hp->n_expert, Fe = hp->n_ff_exp;
-        if ((e = load_mat(L, NAME("ffn_gate_inp.weight"), E, X, &b->router))) return e;
-        if (b->router.type != KVS_TYPE_F32) {
-            set_err(L->errbuf, L->errlen, "tensor '%s' is %s; the router must be F32", n,
-                    kvs_type_name(b->router.type));
-            return KVS_ERR_UNSUPPORTED;
-        }
-        if ((e = load_exps(L, NAME("ffn_gate_exps.weight"), E, Fe, X, &b->gate_x, &b->gate_x_stride))) return e;
-        if ((e = load_exps(L, NAME("ffn_up_exps.weight"), E, Fe, X, &b->up_x, &b->up_x_stride))) return e;
-        if ((e = load_exps(L, NAME("ffn_down_exps.weight"), Fe, E, X, &b->down_x, &b->down_x_stride))) return e;
-    }
-#undef NAME
-    return KVS_OK;
+    b->recurrent = kvs_hparams_recurrent(hp, (uint32_t)il);
+    snprintf(n, sizeof n, "blk.%d.attn_norm.weight", (int)il);
+    if ((e = kvs_model__vec(L, n, E, true, &b->attn_norm))) return e;
+    if ((e = b->recurrent ? kvs_model__load_gdn(L, il, b) : kvs_model__load_attn(L, il, b))) return e;
+    /* qwen35: the pre-FFN norm is named post_attention_norm (qwen35-facts §2.2) */
+    snprintf(n, sizeof n, "blk.%d.%s", (int)il, hybrid ? "post_attention_norm.weight" : "ffn_norm.weight");
+    if ((e = kvs_model__vec(L, n, E, true, &b->ffn_norm))) return e;
+    return hp->n_expert ? kvs_model__load_moe(L, il, b) : kvs_model__load_ffn(L, il, b);
 }
 
 /* calloc of a*b*c elements of size sz with overflow checks. */
@@ -385,6 +300,7 @@ kvs_err kvs_model_load(const struct kvs_gguf *g, const struct kvs_model_params *
     m->q_dim = (int32_t)(hp->n_head * hp->head_dim);
     m->kv_dim = (int32_t)(hp->n_head_kv * hp->head_dim);
     m->ff_max = (int32_t)(hp->n_ff > hp->n_ff_exp ? hp->n_ff : hp->n_ff_exp);
+    if ((int32_t)hp->n_ff_shexp > m->ff_max) m->ff_max = (int32_t)hp->n_ff_shexp;
     if ((int64_t)hp->n_head * hp->head_dim > (1 << 24)) {
         set_err(errbuf, errlen, "head_count x key_length is too large");
         e = KVS_ERR_RANGE;
@@ -392,7 +308,7 @@ kvs_err kvs_model_load(const struct kvs_gguf *g, const struct kvs_model_params *
     }
     m->k = kvs_kernels_best();
 
-    struct loader L = { g, m, errbuf, errlen };
+    struct kvs_model_loader L = { g, m, errbuf, errlen };
     const int64_t E = hp->n_embd, V = hp->n_vocab;
     size_t scratch = 0;
     const size_t NB = (size_t)m->n_batch;
@@ -405,11 +321,11 @@ kvs_err kvs_model_load(const struct kvs_gguf *g, const struct kvs_model_params *
         }
     }
     if (m->end == (int32_t)hp->n_block) {
-        if ((e = load_vec(&L, "output_norm.weight", E, true, &m->out_norm))) goto fail;
-        if ((e = load_mat(&L, hp->tied_output ? "token_embd.weight" : "output.weight", E, V, &m->out_w))) goto fail;
+        if ((e = kvs_model__vec(&L, "output_norm.weight", E, true, &m->out_norm))) goto fail;
+        if ((e = kvs_model__mat(&L, hp->tied_output ? "token_embd.weight" : "output.weight", E, V, &m->out_w))) goto fail;
         scratch = max_sz(scratch, kvs_matmul_scratch_bytes(m->out_w.type, E, m->n_batch));
     }
-    if (hp->arch == KVS_ARCH_LLAMA && (e = load_vec(&L, "rope_freqs.weight", hp->n_rot / 2, false, &m->rope_freqs)))
+    if (hp->arch == KVS_ARCH_LLAMA && (e = kvs_model__vec(&L, "rope_freqs.weight", hp->n_rot / 2, false, &m->rope_freqs)))
         goto fail;
 
     m->blk = calloc((size_t)m->n_blk, sizeof *m->blk);
@@ -417,18 +333,23 @@ kvs_err kvs_model_load(const struct kvs_gguf *g, const struct kvs_model_params *
     for (int32_t i = 0; i < m->n_blk; i++) {
         struct block_w *b = &m->blk[i];
         if ((e = load_block(&L, m->begin + i, b))) goto fail;
+        b->kv_slot = b->recurrent ? -1 : m->n_kv_blk++;
+        b->rs_slot = b->recurrent ? m->n_rs_blk++ : -1;
         const struct kvs_matrix *mats[] = { &b->wq, &b->wk, &b->wv, &b->wo, &b->gate, &b->up, &b->down,
-                                            &b->router, &b->gate_x, &b->up_x, &b->down_x };
+                                            &b->router, &b->gate_x, &b->up_x, &b->down_x, &b->ssm_qkv,
+                                            &b->ssm_z, &b->ssm_beta, &b->ssm_alpha, &b->ssm_out,
+                                            &b->gate_sh, &b->up_sh, &b->down_sh, &b->gate_inp_sh };
         for (size_t j = 0; j < sizeof mats / sizeof mats[0]; j++)
             if (mats[j]->data) scratch = max_sz(scratch, kvs_matmul_scratch_bytes(mats[j]->type, mats[j]->ne0, m->n_batch));
     }
 
-    /* KV cache and work buffers. */
-    size_t cache_rows = (size_t)m->n_blk * (size_t)m->n_seq;
+    /* KV cache (attention blocks only) and work buffers. */
+    size_t cache_rows = (size_t)m->n_kv_blk * (size_t)m->n_seq;
     m->kcache = alloc3(cache_rows, (size_t)m->n_ctx, (size_t)m->kv_dim, sizeof(uint16_t));
     m->vcache = alloc3(cache_rows, (size_t)m->n_ctx, (size_t)m->kv_dim, sizeof(uint16_t));
     m->n_past = calloc((size_t)m->n_seq, sizeof(int32_t));
     m->expect = calloc((size_t)m->n_seq, sizeof(int32_t));
+    m->first = calloc((size_t)m->n_seq, sizeof(int32_t));
     m->f16tab = malloc(65536 * sizeof(float));
     m->x = alloc3(NB, (size_t)E, 1, sizeof(float));
     m->xn = alloc3(NB, (size_t)E, 1, sizeof(float));
@@ -442,7 +363,7 @@ kvs_err kvs_model_load(const struct kvs_gguf *g, const struct kvs_model_params *
     m->rope_cs = alloc3(NB, hp->n_rot, 1, sizeof(float));
     m->att_ws16 = alloc3((size_t)m->n_threads, 2, hp->head_dim, sizeof(uint16_t));
     m->mm_scratch = malloc(scratch + 64);
-    if (!m->kcache || !m->vcache || !m->n_past || !m->expect || !m->f16tab || !m->x || !m->xn || !m->q ||
+    if (!m->kcache || !m->vcache || !m->n_past || !m->expect || !m->first || !m->f16tab || !m->x || !m->xn || !m->q ||
         !m->kv_k || !m->kv_v || !m->att || !m->tmp || !m->ffa || !m->ffb || !m->rope_cs ||
         !m->att_ws16 || !m->mm_scratch)
         goto nomem;
@@ -455,6 +376,33 @@ kvs_err kvs_model_load(const struct kvs_gguf *g, const struct kvs_model_params *
         m->moe_in = alloc3(NB, (size_t)E, 1, sizeof(float));
         m->moe_y = alloc3(NB, K, (size_t)E, sizeof(float));
         if (!m->router || !m->sel || !m->selw || !m->rows || !m->moe_in || !m->moe_y) goto nomem;
+    }
+    if (kvs_hparams_hybrid(hp)) {
+        const size_t C = kvs_hparams_conv_channels(hp), K = hp->ssm_conv, dv = (size_t)hp->ssm_h_v * hp->ssm_d;
+        const size_t rs = (size_t)m->n_rs_blk * (size_t)m->n_seq;
+        m->conv_st = alloc3(rs, K - 1, C, sizeof(float));
+        m->ssm_st = alloc3(rs, dv, hp->ssm_d, sizeof(float));
+        m->conv_wt = alloc3((size_t)m->n_rs_blk, K, C, sizeof(float));
+        m->rs_dirty = calloc((size_t)m->n_seq, 1);
+        m->qg = alloc3(NB, 2, (size_t)m->q_dim, sizeof(float));
+        m->gate = alloc3(NB, (size_t)m->q_dim, 1, sizeof(float));
+        m->g_mix = alloc3(NB, C, 1, sizeof(float));
+        m->g_u = alloc3(NB, C, 1, sizeof(float));
+        m->g_z = alloc3(NB, dv, 1, sizeof(float));
+        m->g_b = alloc3(NB, hp->ssm_h_v, 1, sizeof(float));
+        m->g_a = alloc3(NB, hp->ssm_h_v, 1, sizeof(float));
+        m->g_o = alloc3(NB, dv, 1, sizeof(float));
+        m->sh_gate = alloc3(NB, 1, 1, sizeof(float));
+        if (!m->conv_st || !m->ssm_st || !m->conv_wt || !m->rs_dirty || !m->qg || !m->gate || !m->g_mix || !m->g_u ||
+            !m->g_z || !m->g_b || !m->g_a || !m->g_o || !m->sh_gate)
+            goto nomem;
+        for (int32_t i = 0; i < m->n_blk; i++) {
+            const struct block_w *b = &m->blk[i];
+            if (!b->recurrent) continue;
+            float *wt = m->conv_wt + (size_t)b->rs_slot * K * C;
+            for (size_t c = 0; c < C; c++)
+                for (size_t j = 0; j < K; j++) wt[j * C + c] = b->conv_w[c * K + j];
+        }
     }
     for (uint32_t i = 0; i < 65536; i++) m->f16tab[i] = kvs_f16_to_f32((uint16_t)i);
     if ((e = kvs_pool_create(m->n_threads, &m->pool))) {
@@ -486,7 +434,21 @@ void kvs_model_free(struct kvs_model *m)
     free(m->vcache);
     free(m->n_past);
     free(m->expect);
+    free(m->first);
     free(m->f16tab);
+    free(m->conv_st);
+    free(m->ssm_st);
+    free(m->conv_wt);
+    free(m->rs_dirty);
+    free(m->qg);
+    free(m->gate);
+    free(m->g_mix);
+    free(m->g_u);
+    free(m->g_z);
+    free(m->g_b);
+    free(m->g_a);
+    free(m->g_o);
+    free(m->sh_gate);
     free(m->x);
     free(m->xn);
     free(m->q);
@@ -522,307 +484,29 @@ int32_t kvs_model_seq_len(const struct kvs_model *m, int32_t seq)
     return m->n_past[seq];
 }
 
+/* Zeroes sequence seq's conv and delta states in every GDN block of the
+ * window (qwen35-facts §4.2: a sequence starts from all-zero state). */
+static void clear_recurrent(struct kvs_model *m, int32_t seq)
+{
+    if (!m->n_rs_blk || !m->rs_dirty[seq]) return;
+    const size_t nc = (size_t)(m->hp.ssm_conv - 1) * kvs_hparams_conv_channels(&m->hp);
+    const size_t ns = (size_t)m->hp.ssm_h_v * m->hp.ssm_d * m->hp.ssm_d;
+    for (int32_t r = 0; r < m->n_rs_blk; r++) {
+        const size_t i = (size_t)r * (size_t)m->n_seq + (size_t)seq;
+        memset(m->conv_st + i * nc, 0, nc * sizeof(float));
+        memset(m->ssm_st + i * ns, 0, ns * sizeof(float));
+    }
+    m->rs_dirty[seq] = 0;
+}
+
 void kvs_model_seq_clear(struct kvs_model *m, int32_t seq)
 {
-    if (m && seq >= 0 && seq < m->n_seq) m->n_past[seq] = 0;
+    if (!m || seq < 0 || seq >= m->n_seq) return;
+    m->n_past[seq] = 0;
+    clear_recurrent(m, seq);
 }
 
 /* --- forward pass ------------------------------------------------------------ */
-
-/* RMSNorm (gguf-facts §4.2): squares in float summed in double, mean rounded
- * to float, scale = 1/sqrtf(mean + eps); then the weight multiply. */
-static void rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps)
-{
-    double sum = 0.0;
-    for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
-    const float mean = (float)(sum / (double)n);
-    const float scale = 1.0f / sqrtf(mean + eps);
-    for (int64_t i = 0; i < n; i++) y[i] = (x[i] * scale) * w[i];
-}
-
-/* cos/sin per rotated pair at position pos (gguf-facts §4.3): theta starts
- * at pos and is multiplied by base^(-2/n_rot) once per pair. */
-static void rope_table(const struct kvs_model *m, int32_t pos, float *cs)
-{
-    const struct kvs_hparams *hp = &m->hp;
-    const float theta_scale = powf(hp->rope_freq_base, -2.0f / (float)hp->n_rot);
-    float theta = (float)pos;
-    for (uint32_t i = 0; i < hp->n_rot / 2; i++) {
-        const float ff = m->rope_freqs ? m->rope_freqs[i] : 1.0f;
-        const float th = (theta / ff) * hp->rope_freq_scale;
-        cs[2 * i] = cosf(th);
-        cs[2 * i + 1] = sinf(th);
-        theta *= theta_scale;
-    }
-}
-
-static void rope_apply(const struct kvs_model *m, float *x, const float *cs)
-{
-    const uint32_t n_rot = m->hp.n_rot;
-    if (m->hp.rope_neox) {
-        const uint32_t half = n_rot / 2;
-        for (uint32_t i = 0; i < half; i++) {
-            const float x0 = x[i], x1 = x[i + half], c = cs[2 * i], s = cs[2 * i + 1];
-            x[i] = x0 * c - x1 * s;
-            x[i + half] = x0 * s + x1 * c;
-        }
-    } else {
-        for (uint32_t i = 0; i < n_rot; i += 2) {
-            const float x0 = x[i], x1 = x[i + 1], c = cs[i], s = cs[i + 1];
-            x[i] = x0 * c - x1 * s;
-            x[i + 1] = x0 * s + x1 * c;
-        }
-    }
-}
-
-/* The pool for a product of rows x K weights with n_tok tokens, or NULL
- * (the caller's thread alone) when the product is too small to repay a pool
- * round trip: tiny models then run at one thread's speed whatever else the
- * machine is doing, instead of waiting for a descheduled worker per matmul. */
-#define MM_PARALLEL_MIN_MACS ((int64_t)1 << 18)
-#define ATT_PARALLEL_MIN_MACS ((int64_t)1 << 16)
-static struct kvs_pool *mm_pool(const struct kvs_model *m, int64_t rows, int64_t K, int64_t n_tok)
-{
-    return rows * K * n_tok >= MM_PARALLEL_MIN_MACS ? m->pool : NULL;
-}
-
-static inline float silu(float z) { return z / (1.0f + expf(-z)); }
-
-struct att_ctx {
-    struct kvs_model *m;
-    const struct kvs_batch *b;
-    int32_t il; /* block index within the window */
-};
-
-/* Attention for (token, head) work items ith, ith + nth, ... as llama.cpp's
- * CPU flash-attention kernel computes it (its default; gguf-facts §4.4 gives
- * the roundings): q rounded to F16, scores q·k against the F16 K cache
- * (F32 sum) times 1/sqrt(D), then one pass of online softmax whose V
- * accumulator is kept in F16 (rescaled by exp(M_old - M) when the running
- * max M grows, else v is added with weight exp(s - M)), divided by the F32
- * sum of the weights at the end. Measured against the reference files this
- * tracks llama.cpp better than the two-pass softmax (README figures). */
-static void attention_worker(void *vctx, int ith, int nth)
-{
-    struct att_ctx *c = vctx;
-    struct kvs_model *m = c->m;
-    const struct kvs_batch *b = c->b;
-    const int32_t H = (int32_t)m->hp.n_head, D = (int32_t)m->hp.head_dim;
-    const int32_t group = (int32_t)(m->hp.n_head / m->hp.n_head_kv);
-    const float scale = 1.0f / sqrtf((float)D);
-    const float *tab = m->f16tab;
-    uint16_t *q16 = m->att_ws16 + (size_t)ith * 2 * (size_t)D;
-    uint16_t *acc = q16 + D;
-    const int64_t n_items = (int64_t)b->n_tokens * H;
-    for (int64_t it = ith; it < n_items; it += nth) {
-        const int32_t t = (int32_t)(it / H), h = (int32_t)(it % H);
-        const int32_t seq = b->seq[t], pos = b->pos[t];
-        const int32_t hk = h / group;
-        const size_t base = ((size_t)c->il * (size_t)m->n_seq + (size_t)seq) * (size_t)m->n_ctx * (size_t)m->kv_dim;
-        const uint16_t *kc = m->kcache + base + (size_t)hk * (size_t)D;
-        const uint16_t *vc = m->vcache + base + (size_t)hk * (size_t)D;
-        const float *q = m->q + (size_t)t * (size_t)m->q_dim + (size_t)h * (size_t)D;
-        kvs_quantize_act(m->k, KVS_TYPE_F16, q, q16, D);
-        memset(acc, 0, (size_t)D * sizeof *acc);
-        float M = -INFINITY, S = 0.0f;
-        for (int32_t j = 0; j <= pos; j++) {
-            const uint16_t *kr = kc + (size_t)j * (size_t)m->kv_dim;
-            const uint16_t *vr = vc + (size_t)j * (size_t)m->kv_dim;
-            const float s = kvs_vec_dot(m->k, KVS_TYPE_F16, D, q16, kr) * scale;
-            float ms = 1.0f, vs = 1.0f;
-            if (s > M) {
-                const float m_old = M;
-                M = s;
-                ms = expf(m_old - M);
-                kvs_vec_f16_scale(m->k, acc, ms, D);
-            } else {
-                vs = expf(s - M);
-            }
-            kvs_vec_f16_mad(m->k, acc, vr, vs, D);
-            S = S * ms + vs;
-        }
-        float *o = m->att + (size_t)t * (size_t)m->q_dim + (size_t)h * (size_t)D;
-        const float inv = S > 0.0f ? 1.0f / S : 0.0f;
-        for (int32_t d = 0; d < D; d++) o[d] = tab[acc[d]] * inv;
-    }
-}
-
-static void add_bias(float *y, const float *bias, int32_t n_tok, int64_t n)
-{
-    if (!bias) return;
-    for (int32_t t = 0; t < n_tok; t++)
-        for (int64_t i = 0; i < n; i++) y[(size_t)t * (size_t)n + (size_t)i] += bias[i];
-}
-
-static void attention_block(struct kvs_model *m, const struct kvs_batch *b, int32_t il)
-{
-    const struct kvs_hparams *hp = &m->hp;
-    const struct block_w *w = &m->blk[il];
-    const int32_t n = b->n_tokens;
-    const int64_t E = hp->n_embd, D = hp->head_dim;
-    for (int32_t t = 0; t < n; t++)
-        rmsnorm(m->xn + (size_t)t * (size_t)E, m->x + (size_t)t * (size_t)E, w->attn_norm, E, hp->rms_eps);
-    const struct kvs_matrix *qkv[3] = { &w->wq, &w->wk, &w->wv };
-    float *const qkv_out[3] = { m->q, m->kv_k, m->kv_v };
-    kvs_matmul_multi(m->k, mm_pool(m, m->q_dim + 2 * m->kv_dim, E, n), 3, qkv, m->xn, n, qkv_out, m->mm_scratch);
-    add_bias(m->q, w->bq, n, m->q_dim);
-    add_bias(m->kv_k, w->bk, n, m->kv_dim);
-    add_bias(m->kv_v, w->bv, n, m->kv_dim);
-    for (int32_t t = 0; t < n; t++) {
-        const float *cs = m->rope_cs + (size_t)t * hp->n_rot;
-        float *q = m->q + (size_t)t * (size_t)m->q_dim;
-        float *k = m->kv_k + (size_t)t * (size_t)m->kv_dim;
-        for (uint32_t h = 0; h < hp->n_head; h++) {
-            float *qh = q + (size_t)h * (size_t)D;
-            if (w->q_norm) rmsnorm(qh, qh, w->q_norm, D, hp->rms_eps);
-            rope_apply(m, qh, cs);
-        }
-        for (uint32_t h = 0; h < hp->n_head_kv; h++) {
-            float *kh = k + (size_t)h * (size_t)D;
-            if (w->k_norm) rmsnorm(kh, kh, w->k_norm, D, hp->rms_eps);
-            rope_apply(m, kh, cs);
-        }
-        /* Store K and V (rounded to F16) before any token attends. */
-        const size_t off = (((size_t)il * (size_t)m->n_seq + (size_t)b->seq[t]) * (size_t)m->n_ctx +
-                            (size_t)b->pos[t]) * (size_t)m->kv_dim;
-        const float *v = m->kv_v + (size_t)t * (size_t)m->kv_dim;
-        kvs_quantize_act(m->k, KVS_TYPE_F16, k, m->kcache + off, m->kv_dim);
-        kvs_quantize_act(m->k, KVS_TYPE_F16, v, m->vcache + off, m->kv_dim);
-    }
-    struct att_ctx ac = { m, b, il };
-    int64_t att_macs = 0; /* q·k and v products: (pos + 1) keys per token and head */
-    for (int32_t t = 0; t < n; t++) att_macs += (int64_t)b->pos[t] + 1;
-    att_macs *= (int64_t)hp->n_head * D * 2;
-    if (m->n_threads > 1 && (int64_t)n * hp->n_head > 1 && att_macs >= ATT_PARALLEL_MIN_MACS)
-        kvs_pool_run(m->pool, attention_worker, &ac);
-    else
-        attention_worker(&ac, 0, 1);
-    kvs_matmul(m->k, mm_pool(m, E, m->q_dim, n), &w->wo, m->att, n, m->tmp, m->mm_scratch);
-    add_bias(m->tmp, w->bo, n, E);
-    for (size_t i = 0; i < (size_t)n * (size_t)E; i++) m->x[i] += m->tmp[i];
-}
-
-/* SwiGLU on rows: a = silu(a) * b, split over the pool in 64-byte aligned
- * ranges (expf per element is worth the round trip at prefill sizes). */
-struct swiglu_ctx {
-    float *a;
-    const float *b;
-    size_t n;
-};
-
-static void swiglu_worker(void *vctx, int ith, int nth)
-{
-    const struct swiglu_ctx *c = vctx;
-    size_t per = ((c->n + (size_t)nth - 1) / (size_t)nth + 15) & ~(size_t)15;
-    size_t i0 = (size_t)ith * per, i1 = i0 + per < c->n ? i0 + per : c->n;
-    for (size_t i = i0; i < i1; i++) c->a[i] = silu(c->a[i]) * c->b[i];
-}
-
-static void swiglu(struct kvs_model *m, float *a, const float *bb, size_t n)
-{
-    struct swiglu_ctx c = { a, bb, n };
-    if (m->n_threads > 1 && n >= 8192)
-        kvs_pool_run(m->pool, swiglu_worker, &c);
-    else
-        swiglu_worker(&c, 0, 1);
-}
-
-static void ffn_dense(struct kvs_model *m, const struct block_w *w, int32_t n)
-{
-    const int64_t F = m->hp.n_ff;
-    const struct kvs_matrix *gu[2] = { &w->gate, &w->up };
-    float *const gu_out[2] = { m->ffa, m->ffb };
-    kvs_matmul_multi(m->k, mm_pool(m, 2 * F, m->hp.n_embd, n), 2, gu, m->xn, n, gu_out, m->mm_scratch);
-    swiglu(m, m->ffa, m->ffb, (size_t)n * (size_t)F);
-    kvs_matmul(m->k, mm_pool(m, m->hp.n_embd, F, n), &w->down, m->ffa, n, m->tmp, m->mm_scratch);
-}
-
-/* MoE (gguf-facts §4.6): softmax router, top-k, renormalized weights; tokens
- * routed to one expert go through that expert's matrices as one batch. */
-static void ffn_moe(struct kvs_model *m, const struct block_w *w, int32_t n)
-{
-    const struct kvs_hparams *hp = &m->hp;
-    const int32_t X = (int32_t)hp->n_expert, K = (int32_t)hp->n_expert_used;
-    const int64_t E = hp->n_embd, Fe = hp->n_ff_exp;
-    kvs_matmul(m->k, mm_pool(m, X, E, n), &w->router, m->xn, n, m->router, m->mm_scratch);
-    for (int32_t t = 0; t < n; t++) {
-        float *r = m->router + (size_t)t * (size_t)X;
-        float mx = -INFINITY;
-        for (int32_t e = 0; e < X; e++) mx = r[e] > mx ? r[e] : mx;
-        double sum = 0.0;
-        for (int32_t e = 0; e < X; e++) {
-            r[e] = expf(r[e] - mx);
-            sum += (double)r[e];
-        }
-        const float inv = (float)(1.0 / sum);
-        for (int32_t e = 0; e < X; e++) r[e] *= inv;
-        int32_t *sel = m->sel + (size_t)t * (size_t)K;
-        float *sw = m->selw + (size_t)t * (size_t)K;
-        /* Top-k by descending probability (ties: lower index first). */
-        for (int32_t s = 0; s < K; s++) {
-            int32_t best = -1;
-            for (int32_t e = 0; e < X; e++) {
-                bool taken = false;
-                for (int32_t u = 0; u < s; u++) taken |= sel[u] == e;
-                if (!taken && (best < 0 || r[e] > r[best])) best = e;
-            }
-            sel[s] = best;
-            sw[s] = r[best];
-        }
-        float wsum = 0.0f;
-        for (int32_t s = 0; s < K; s++) wsum += sw[s];
-        for (int32_t s = 0; s < K; s++) sw[s] /= wsum;
-    }
-    for (int32_t e = 0; e < X; e++) {
-        int32_t cnt = 0;
-        for (int32_t t = 0; t < n; t++)
-            for (int32_t s = 0; s < K; s++)
-                if (m->sel[(size_t)t * (size_t)K + (size_t)s] == e) {
-                    m->rows[cnt] = t * K + s;
-                    memcpy(m->moe_in + (size_t)cnt * (size_t)E, m->xn + (size_t)t * (size_t)E,
-                           (size_t)E * sizeof(float));
-                    cnt++;
-                }
-        if (!cnt) continue;
-        struct kvs_matrix g = w->gate_x, u = w->up_x, d = w->down_x;
-        g.data = (const uint8_t *)g.data + (size_t)e * w->gate_x_stride;
-        u.data = (const uint8_t *)u.data + (size_t)e * w->up_x_stride;
-        d.data = (const uint8_t *)d.data + (size_t)e * w->down_x_stride;
-        const struct kvs_matrix *gu[2] = { &g, &u };
-        float *const gu_out[2] = { m->ffa, m->ffb };
-        kvs_matmul_multi(m->k, mm_pool(m, 2 * Fe, E, cnt), 2, gu, m->moe_in, cnt, gu_out, m->mm_scratch);
-        swiglu(m, m->ffa, m->ffb, (size_t)cnt * (size_t)Fe);
-        kvs_matmul(m->k, mm_pool(m, E, Fe, cnt), &d, m->ffa, cnt, m->tmp, m->mm_scratch);
-        for (int32_t r = 0; r < cnt; r++) {
-            const float wt = m->selw[m->rows[r]];
-            float *y = m->moe_y + (size_t)m->rows[r] * (size_t)E;
-            const float *src = m->tmp + (size_t)r * (size_t)E;
-            for (int64_t i = 0; i < E; i++) y[i] = src[i] * wt;
-        }
-    }
-    /* Sum the experts' outputs in selection order. */
-    for (int32_t t = 0; t < n; t++) {
-        float *o = m->tmp + (size_t)t * (size_t)E;
-        const float *y = m->moe_y + (size_t)t * (size_t)K * (size_t)E;
-        memcpy(o, y, (size_t)E * sizeof(float));
-        for (int32_t s = 1; s < K; s++)
-            for (int64_t i = 0; i < E; i++) o[i] += y[(size_t)s * (size_t)E + (size_t)i];
-    }
-}
-
-static void ffn_block(struct kvs_model *m, int32_t n, int32_t il)
-{
-    const struct kvs_hparams *hp = &m->hp;
-    const struct block_w *w = &m->blk[il];
-    const int64_t E = hp->n_embd;
-    for (int32_t t = 0; t < n; t++)
-        rmsnorm(m->xn + (size_t)t * (size_t)E, m->x + (size_t)t * (size_t)E, w->ffn_norm, E, hp->rms_eps);
-    if (hp->n_expert)
-        ffn_moe(m, w, n);
-    else
-        ffn_dense(m, w, n);
-    for (size_t i = 0; i < (size_t)n * (size_t)E; i++) m->x[i] += m->tmp[i];
-}
 
 /* Checks the batch against the caches without changing anything. */
 static kvs_err check_batch(struct kvs_model *m, const struct kvs_batch *b)
@@ -839,6 +523,10 @@ static kvs_err check_batch(struct kvs_model *m, const struct kvs_batch *b)
             /* The first token of a sequence continues its cache, or rewinds
              * it (pos < cached: later positions are forgotten). */
             if (p > m->n_past[s]) return KVS_ERR_RANGE;
+            /* A recurrent state cannot be rewound: a hybrid sequence
+             * continues or restarts from 0. */
+            if (m->n_rs_blk && p != m->n_past[s] && p != 0) return KVS_ERR_RANGE;
+            m->first[s] = p;
         } else if (p != m->expect[s]) {
             return KVS_ERR_RANGE;
         }
@@ -859,7 +547,13 @@ kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float 
     const struct kvs_hparams *hp = &m->hp;
     const int64_t E = hp->n_embd;
     for (int32_t s = 0; s < m->n_seq; s++)
-        if (m->expect[s] >= 0) m->n_past[s] = m->expect[s];
+        if (m->expect[s] >= 0) {
+            m->n_past[s] = m->expect[s];
+            if (m->n_rs_blk) {
+                if (m->first[s] == 0) clear_recurrent(m, s); /* a new sequence starts from zero state */
+                m->rs_dirty[s] = 1;
+            }
+        }
 
     if (kvs_model_has_embd(m)) {
         const struct kvs_gguf_tensor *te = m->tok_embd;
@@ -870,11 +564,25 @@ kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float 
     } else {
         memcpy(m->x, b->embd, (size_t)n * (size_t)E * sizeof(float));
     }
-    for (int32_t t = 0; t < n; t++) rope_table(m, b->pos[t], m->rope_cs + (size_t)t * hp->n_rot);
+    for (int32_t t = 0; t < n; t++) kvs_model__rope_table(m, b->pos[t], m->rope_cs + (size_t)t * hp->n_rot);
 
     for (int32_t il = 0; il < m->n_blk; il++) {
-        attention_block(m, b, il);
-        ffn_block(m, n, il);
+        const struct block_w *w = &m->blk[il];
+        for (int32_t t = 0; t < n; t++)
+            kvs_model__rmsnorm(m->xn + (size_t)t * (size_t)E, m->x + (size_t)t * (size_t)E, w->attn_norm, E,
+                               hp->rms_eps);
+        if (w->recurrent)
+            kvs_model__gdn(m, b, il);
+        else
+            kvs_model__attention(m, b, il);
+        for (int32_t t = 0; t < n; t++)
+            kvs_model__rmsnorm(m->xn + (size_t)t * (size_t)E, m->x + (size_t)t * (size_t)E, w->ffn_norm, E,
+                               hp->rms_eps);
+        if (hp->n_expert)
+            kvs_model__ffn_moe(m, w, n);
+        else
+            kvs_model__ffn_dense(m, w, n);
+        for (size_t i = 0; i < (size_t)n * (size_t)E; i++) m->x[i] += m->tmp[i];
     }
 
     if (!kvs_model_has_head(m)) {
@@ -885,10 +593,10 @@ kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float 
     for (int32_t t = 0; t < n; t++) {
         const bool want = b->logits ? b->logits[t] != 0 : t == n - 1;
         if (!want) continue;
-        rmsnorm(m->xn + (size_t)n_out * (size_t)E, m->x + (size_t)t * (size_t)E, m->out_norm, E, hp->rms_eps);
+        kvs_model__rmsnorm(m->xn + (size_t)n_out * (size_t)E, m->x + (size_t)t * (size_t)E, m->out_norm, E, hp->rms_eps);
         n_out++;
     }
-    if (n_out) kvs_matmul(m->k, mm_pool(m, m->out_w.ne1, E, n_out), &m->out_w, m->xn, n_out, out, m->mm_scratch);
+    if (n_out) kvs_matmul(m->k, kvs_model__mm_pool(m, m->out_w.ne1, E, n_out), &m->out_w, m->xn, n_out, out, m->mm_scratch);
     /* corrupt weights or a broken boundary must not become token 0 */
     return kvs_vec_all_finite(out, (size_t)n_out * (size_t)hp->n_vocab) ? KVS_OK : KVS_ERR_NUMERIC;
 }

@@ -8,6 +8,11 @@
  *
  * Architectures: llama, qwen2, qwen3, qwen3moe; forward pass as in
  * ../shared/docs/gguf-facts.md §4. KV cache in F16, one slot per sequence.
+ * qwen35 / qwen35moe (../shared/docs/qwen35-facts.md §3): hybrids of Gated
+ * DeltaNet blocks (a fixed-size F32 conv + delta state per sequence and
+ * block) and gated attention blocks (the only ones with a KV cache); their
+ * nextn/MTP blocks (after block_count - nextn_predict_layers) are never
+ * loaded: n_block counts the main blocks only.
  * Attention follows llama.cpp's default CPU path (flash attention: q and K
  * in F16, online softmax with an F16 V accumulator), which tracks the
  * reference outputs in ../shared/models best.
@@ -22,13 +27,25 @@
 #include "common/error.h"
 #include "gguf/gguf.h"
 
-enum kvs_arch { KVS_ARCH_LLAMA = 0, KVS_ARCH_QWEN2, KVS_ARCH_QWEN3, KVS_ARCH_QWEN3MOE, KVS_ARCH_COUNT_ };
+enum kvs_arch {
+    KVS_ARCH_LLAMA = 0,
+    KVS_ARCH_QWEN2,
+    KVS_ARCH_QWEN3,
+    KVS_ARCH_QWEN3MOE,
+    KVS_ARCH_QWEN35,    /* hybrid: Gated DeltaNet + gated attention, dense FFN */
+    KVS_ARCH_QWEN35MOE, /* the same with MoE + shared expert */
+    KVS_ARCH_COUNT_
+};
 
-/* Hyperparameters read from `<arch>.*` metadata (gguf-facts §3.2). */
+#define KVS_HP_MAX_BLOCKS 4096u
+
+/* Hyperparameters read from `<arch>.*` metadata (gguf-facts §3.2;
+ * qwen35/qwen35moe keys: ../shared/docs/qwen35-facts.md §1). */
 struct kvs_hparams {
     enum kvs_arch arch;
     char arch_name[32];
-    uint32_t n_block;        /* block_count */
+    uint32_t n_block;        /* main blocks: block_count - nextn_predict_layers (the ring's block count) */
+    uint32_t n_nextn;        /* nextn_predict_layers: MTP blocks stored after the main ones (never run) */
     uint32_t n_embd;         /* embedding_length */
     uint32_t n_head;         /* attention.head_count */
     uint32_t n_head_kv;      /* attention.head_count_kv */
@@ -45,7 +62,25 @@ struct kvs_hparams {
     float rope_freq_scale;   /* 1 / rope.scaling.factor, 1 if absent */
     bool rope_neox;          /* NEOX pairing (i, i + n_rot/2) vs adjacent */
     bool tied_output;        /* no output.weight: the embedding is the head */
+    /* qwen35 / qwen35moe (0 elsewhere) */
+    uint32_t n_ff_shexp;     /* expert_shared_feed_forward_length (qwen35moe) */
+    uint32_t ssm_conv;       /* ssm.conv_kernel K */
+    uint32_t ssm_d;          /* ssm.state_size d: GDN key and value head dim */
+    uint32_t ssm_h_v;        /* ssm.time_step_rank: GDN value heads */
+    uint32_t ssm_h_k;        /* ssm.group_count: GDN key heads (value head j uses key head j % h_k) */
+    uint8_t recurrent[KVS_HP_MAX_BLOCKS / 8]; /* bit il set: main block il is Gated DeltaNet */
 };
+
+/* True if the architecture is a hybrid (qwen35, qwen35moe): Gated DeltaNet
+ * and gated attention blocks, per-sequence recurrent state. */
+bool kvs_hparams_hybrid(const struct kvs_hparams *hp);
+/* True if main block il is a Gated DeltaNet block (hybrid models only). */
+bool kvs_hparams_recurrent(const struct kvs_hparams *hp, uint32_t il);
+/* GDN conv channels C = 2·h_k·d + h_v·d (qwen35-facts §2.2); 0 if not hybrid. */
+uint32_t kvs_hparams_conv_channels(const struct kvs_hparams *hp);
+/* F32 bytes of one sequence's recurrent state for one GDN block: conv state
+ * (K-1)·C plus delta state h_v·d·d, times 4 (qwen35-facts §4.2). */
+size_t kvs_hparams_recurrent_bytes(const struct kvs_hparams *hp);
 
 /* Reads and checks hyperparameters. Errors: KVS_ERR_UNSUPPORTED (unknown
  * architecture), KVS_ERR_FORMAT/NOT_FOUND (missing or mistyped keys). */
@@ -106,12 +141,15 @@ struct kvs_batch {
  * Not thread-safe: one forward at a time per model (it owns the pool). */
 kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float *out);
 
-/* Forget sequence `seq`'s cache (positions restart at 0). */
+/* Forget sequence `seq`'s cache (positions restart at 0) and zero its
+ * recurrent state (hybrid models). */
 void kvs_model_seq_clear(struct kvs_model *m, int32_t seq);
 
 /* Positions cached for `seq` (the pos its next token must have), or -1 if
  * seq is out of range. A batch may also restart a sequence at any pos <= this
- * value: the cache is then truncated to pos. */
+ * value: the cache is then truncated to pos. Hybrid models cannot rewind a
+ * recurrent state: there a sequence continues at this value or restarts at
+ * 0 (from zero state); another pos is KVS_ERR_RANGE. */
 int32_t kvs_model_seq_len(const struct kvs_model *m, int32_t seq);
 
 #endif

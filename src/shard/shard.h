@@ -41,13 +41,15 @@
 
 /* --- windows ------------------------------------------------------------- */
 
-/* The model's block count: `<arch>.block_count` where arch is
- * general.architecture. Errors: KVS_ERR_NOT_FOUND / KVS_ERR_FORMAT. */
+/* The model's main block count, the ring's: `<arch>.block_count` minus
+ * `<arch>.nextn_predict_layers` (MTP blocks stored after the main ones,
+ * absent = 0; they belong to no window) where arch is general.architecture.
+ * Errors: KVS_ERR_NOT_FOUND / KVS_ERR_FORMAT (also: nextn >= block_count). */
 kvs_err kvs_shard_block_count(const struct kvs_gguf *g, uint32_t *n_block);
 
 /* Which tensors of g the window [begin, end) needs, as indices into g
  * (kvs_gguf_tensor), ascending (file order). A tensor is needed if it is
- *   - blk.N.<anything> with begin <= N < end;
+ *   - blk.N.<anything> with begin <= N < end (so never an MTP block N >= n_block);
  *   - named token_embd.* and begin == 0 (head);
  *   - named output.* / output_norm.* and end == n_block (tail);
  *   - token_embd.weight when end == n_block and g has no output.weight (tied);

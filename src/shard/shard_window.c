@@ -90,7 +90,19 @@ kvs_err kvs_shard_block_count(const struct kvs_gguf *g, uint32_t *n_block)
     if (alen == 0 || alen > 100)
         return KVS_ERR_FORMAT;
     snprintf(key, sizeof key, "%.*s.block_count", (int)alen, arch);
-    return kvs_gguf_get_u32(g, key, n_block);
+    uint32_t n = 0, nextn = 0;
+    if ((err = kvs_gguf_get_u32(g, key, &n)))
+        return err;
+    snprintf(key, sizeof key, "%.*s.nextn_predict_layers", (int)alen, arch);
+    err = kvs_gguf_get_u32(g, key, &nextn);
+    if (err && err != KVS_ERR_NOT_FOUND)
+        return err;
+    if (err == KVS_ERR_NOT_FOUND)
+        nextn = 0;
+    if (nextn >= n)
+        return KVS_ERR_FORMAT;
+    *n_block = n - nextn;
+    return KVS_OK;
 }
 
 /* If name is "blk.N.<rest>", stores N and returns true. */

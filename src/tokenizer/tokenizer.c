@@ -498,6 +498,8 @@ kvs_err kvs_tokenizer_load(const struct kvs_gguf *g, struct kvs_tokenizer **out,
         } else if (str_eq(pre, pre_len, "qwen2") || str_eq(pre, pre_len, "deepseek-r1-qwen") ||
                    str_eq(pre, pre_len, "megrez")) {
             d.pre = KVS_TOK_PRE_QWEN2;
+        } else if (str_eq(pre, pre_len, "qwen35")) {
+            d.pre = KVS_TOK_PRE_QWEN35;
         } else if (str_eq(pre, pre_len, "gpt-2") || str_eq(pre, pre_len, "default") ||
                    str_eq(pre, pre_len, "phi-2") || str_eq(pre, pre_len, "roberta-bpe")) {
             d.pre = KVS_TOK_PRE_GPT2;

@@ -17,6 +17,10 @@ static const char k_pat_llama3[] =
 static const char k_pat_qwen2[] =
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
     "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+/* Qwen3.5: Qwen2's pattern with combining marks (\p{M}) kept inside words. */
+static const char k_pat_qwen35[] =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*"
+    "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
 const char *kvs_tok_bpe_pattern(enum kvs_tok_pre pre)
 {
@@ -24,6 +28,7 @@ const char *kvs_tok_bpe_pattern(enum kvs_tok_pre pre)
     case KVS_TOK_PRE_GPT2: return k_pat_gpt2;
     case KVS_TOK_PRE_LLAMA3: return k_pat_llama3;
     case KVS_TOK_PRE_QWEN2: return k_pat_qwen2;
+    case KVS_TOK_PRE_QWEN35: return k_pat_qwen35;
     case KVS_TOK_PRE_NONE: break;
     }
     return NULL;

@@ -30,7 +30,7 @@ enum kvs_tok_type {
 enum kvs_tok_kind { KVS_TOK_KIND_SPM = 0, KVS_TOK_KIND_BPE };
 
 /* BPE pre-tokenizers (gguf-facts §5.4). */
-enum kvs_tok_pre { KVS_TOK_PRE_NONE = 0, KVS_TOK_PRE_GPT2, KVS_TOK_PRE_LLAMA3, KVS_TOK_PRE_QWEN2 };
+enum kvs_tok_pre { KVS_TOK_PRE_NONE = 0, KVS_TOK_PRE_GPT2, KVS_TOK_PRE_LLAMA3, KVS_TOK_PRE_QWEN2, KVS_TOK_PRE_QWEN35 };
 
 /* Limits on untrusted vocabularies. */
 #define KVS_TOK_MAX_VOCAB (1u << 24)      /* tokens */

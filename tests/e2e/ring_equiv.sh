@@ -7,9 +7,7 @@ D=${KVASIR_SHARED:?}/models
 fails=0
 BOUNDARY="--boundary f32"
 for M in "$D"/*.gguf; do
-  # qwen35 / qwen35moe are not run by the engine yet (issue 15 removes this line).
-  case $(basename "$M") in qwen35*) echo "not yet: $(basename "$M") (issue 15)"; continue ;; esac
-  nb=$("$BIN" gguf info "$M" | sed -n 's/^  [a-z0-9]*\.block_count = \([0-9]*\) .*/\1/p' | head -1)
+  nb=$("$BIN" gguf info "$M" | sed -n 's/^main blocks: \([0-9]*\) .*/\1/p')
   [[ -n "$nb" ]] || { echo "FAIL: no block_count for $M"; exit 1; }
   ref=$(timeout 60 "$BIN" run -m "$M" -p "Once upon a time" -n 16 --temp 0 --ignore-eos 2>/dev/null)
   for ((n = 2; n <= nb; n++)); do

@@ -18,9 +18,7 @@ PROMPT="Once upon a time"
 n_models=0
 for M in "$SH"/models/*.gguf; do
   name=$(basename "$M" .gguf)
-  # qwen35 / qwen35moe are not run by the engine yet (issue 15 removes this line).
-  case $name in qwen35*) echo "not yet: $name (issue 15)"; continue ;; esac
-  nb=$("$BIN" gguf info "$M" | sed -n 's/^ *[a-z0-9]*\.block_count = \([0-9]*\).*/\1/p' | head -1)
+  nb=$("$BIN" gguf info "$M" | sed -n 's/^main blocks: \([0-9]*\) .*/\1/p')
   [[ -n $nb ]] || fail "$name: no block_count in gguf info"
   ns=$((nb < 3 ? nb : 3))
   # even split: stage r gets [r*nb/ns, (r+1)*nb/ns)

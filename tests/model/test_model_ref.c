@@ -169,26 +169,27 @@ static void test_ref_llama_q5_k_m(void **st) { (void)st; check_ref("llama-q5_k_m
 static void test_ref_qwen2_mixed(void **st) { (void)st; check_ref("qwen2-mixed", false); }
 static void test_ref_qwen3_q8_0(void **st) { (void)st; check_ref("qwen3-q8_0", false); }
 static void test_ref_qwen3moe_mixed(void **st) { (void)st; check_ref("qwen3moe-mixed", false); }
+static void test_ref_qwen35_mixed(void **st) { (void)st; check_ref("qwen35-mixed", false); }
+static void test_ref_qwen35moe_q4_k(void **st) { (void)st; check_ref("qwen35moe-q4_k", false); }
 
-/* Greedy generation on aidreams260K: prefill the prompt, then one token per
- * forward; must reproduce the reference continuation (60 tokens). */
-static void test_greedy_aidreams(void **st)
+/* Greedy generation: prefill the prompt, then one token per forward; must
+ * reproduce the reference continuation (n_gen tokens). */
+static void check_greedy(const char *name, int32_t n_gen, int32_t n_vocab)
 {
-    (void)st;
     struct ref r;
-    ref_load("aidreams260K", &r);
-    assert_int_equal(r.n_tok - r.n_prompt, 60);
-    struct kvs_gguf *g = open_model("aidreams260K");
+    ref_load(name, &r);
+    assert_int_equal(r.n_tok - r.n_prompt, n_gen);
+    struct kvs_gguf *g = open_model(name);
     struct kvs_model *m = load(g, 0, -1, 1, 64);
     const int32_t V = (int32_t)kvs_model_hparams(m)->n_vocab;
-    assert_int_equal(V, 512);
+    assert_int_equal(V, n_vocab);
     float *logits = malloc((size_t)V * sizeof(float));
     int32_t seq[64] = { 0 }, pos[64];
     for (int32_t i = 0; i < 64; i++) pos[i] = i;
     /* logits NULL: only the last row. */
     struct kvs_batch b = { .n_tokens = r.n_prompt, .token = r.tok, .seq = seq, .pos = pos };
     assert_int_equal(kvs_model_forward(m, &b, logits), KVS_OK);
-    for (int32_t i = 0; i < 60; i++) {
+    for (int32_t i = 0; i < n_gen; i++) {
         int32_t arg = 0;
         for (int32_t v = 1; v < V; v++)
             if (logits[v] > logits[arg]) arg = v;
@@ -204,6 +205,9 @@ static void test_greedy_aidreams(void **st)
     kvs_gguf_close(g);
     ref_free(&r);
 }
+
+static void test_greedy_aidreams(void **st) { (void)st; check_greedy("aidreams260K", 60, 512); }
+static void test_greedy_qwen35moe(void **st) { (void)st; check_greedy("qwen35moe-q4_k", 32, 151669); }
 
 static double max_rel_diff(const float *a, const float *b, size_t n)
 {
@@ -288,6 +292,8 @@ static void check_batching(const char *name)
 
 static void test_batching_aidreams(void **st) { (void)st; check_batching("aidreams260K"); }
 static void test_batching_qwen3moe(void **st) { (void)st; check_batching("qwen3moe-mixed"); }
+static void test_batching_qwen35(void **st) { (void)st; check_batching("qwen35-mixed"); }
+static void test_batching_qwen35moe(void **st) { (void)st; check_batching("qwen35moe-q4_k"); }
 
 /* Windows [0, a) then [a, n) over the boundary equal the full window. */
 static void check_window(const char *name, int32_t a)
@@ -341,6 +347,17 @@ static void check_window(const char *name, int32_t a)
 
 static void test_window_aidreams(void **st) { (void)st; check_window("aidreams260K", 2); }
 static void test_window_qwen3moe(void **st) { (void)st; check_window("qwen3moe-mixed", 1); }
+/* Windows that end on a GDN block (1, 2), and that start on the attention block (3). */
+static void test_window_qwen35(void **st)
+{
+    (void)st;
+    for (int32_t a = 1; a < 4; a++) check_window("qwen35-mixed", a);
+}
+static void test_window_qwen35moe(void **st)
+{
+    (void)st;
+    for (int32_t a = 1; a < 4; a++) check_window("qwen35moe-q4_k", a);
+}
 
 /* Hyperparameters of the test models (values from ../shared/models/README.md). */
 static void test_hparams(void **st)
@@ -385,18 +402,22 @@ static void test_hparams(void **st)
 /* A header-only copy of model `name` (every KV, every tensor info; no
  * tensor data) with one KV changed by `edit`, parsed as a GGUF. *hdr is the
  * buffer it borrows: free it after closing the result. */
-static struct kvs_gguf *edited_header(const char *name, void (*edit)(struct kvs_gguf_writer *w), uint8_t **hdr_out)
+static struct kvs_gguf *edited_header_drop(const char *name, const char *drop, void (*edit)(struct kvs_gguf_writer *w),
+                                           uint8_t **hdr_out)
 {
     struct kvs_gguf *src = open_model(name);
     struct kvs_gguf_writer *w = kvs_gguf_writer_create();
     assert_non_null(w);
-    for (size_t i = 0; i < kvs_gguf_n_kv(src); i++)
+    for (size_t i = 0; i < kvs_gguf_n_kv(src); i++) {
+        const char *key = kvs_gguf_key(src, i);
+        if (drop && key && !strcmp(key, drop)) continue;
         assert_int_equal(kvs_gguf_writer_copy_kv(w, src, i), KVS_OK);
+    }
     for (size_t i = 0; i < kvs_gguf_n_tensors(src); i++) {
         const struct kvs_gguf_tensor *t = kvs_gguf_tensor(src, i);
         assert_int_equal(kvs_gguf_writer_add_tensor(w, t->name, t->type, t->n_dims, t->ne, NULL, t->bytes), KVS_OK);
     }
-    edit(w);
+    if (edit) edit(w);
     uint8_t *hdr = NULL;
     size_t len = 0;
     assert_int_equal(kvs_gguf_writer_header(w, &hdr, &len), KVS_OK);
@@ -408,6 +429,11 @@ static struct kvs_gguf *edited_header(const char *name, void (*edit)(struct kvs_
     kvs_gguf_writer_free(w);
     kvs_gguf_close(src);
     return g;
+}
+
+static struct kvs_gguf *edited_header(const char *name, void (*edit)(struct kvs_gguf_writer *w), uint8_t **hdr_out)
+{
+    return edited_header_drop(name, NULL, edit, hdr_out);
 }
 
 static void ed_moe_ff_huge(struct kvs_gguf_writer *w) { kvs_gguf_writer_set_u32(w, "qwen3moe.feed_forward_length", 0x7FFFFFFFu); }
@@ -426,6 +452,136 @@ static void ed_tokens_520(struct kvs_gguf_writer *w)
         strs[i] = names[i];
     }
     kvs_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", strs, 520);
+}
+
+static void ed_q35_inner(struct kvs_gguf_writer *w) { kvs_gguf_writer_set_u32(w, "qwen35.ssm.inner_size", 300); }
+static void ed_q35_rank3(struct kvs_gguf_writer *w)
+{
+    kvs_gguf_writer_set_u32(w, "qwen35.ssm.time_step_rank", 3); /* not a multiple of group_count 2 */
+    kvs_gguf_writer_set_u32(w, "qwen35.ssm.inner_size", 192);
+}
+static void ed_q35_groups(struct kvs_gguf_writer *w) { kvs_gguf_writer_set_u32(w, "qwen35.ssm.group_count", 8); }
+static void ed_q35_conv1(struct kvs_gguf_writer *w) { kvs_gguf_writer_set_u32(w, "qwen35.ssm.conv_kernel", 1); }
+static void ed_q35_interval0(struct kvs_gguf_writer *w) { kvs_gguf_writer_set_u32(w, "qwen35.full_attention_interval", 0); }
+static void ed_q35_nextn(struct kvs_gguf_writer *w) { kvs_gguf_writer_set_u32(w, "qwen35.nextn_predict_layers", 4); }
+static void ed_q35_experts(struct kvs_gguf_writer *w) { kvs_gguf_writer_set_u32(w, "qwen35.expert_count", 8); }
+static void ed_q35_recr_len(struct kvs_gguf_writer *w)
+{
+    const uint32_t v[3] = { 1, 1, 1 };
+    kvs_gguf_writer_set_arr(w, "qwen35.attention.recurrent_layers", KVS_GGUF_TYPE_UINT32, v, 3);
+}
+static void ed_q35_sections_f32(struct kvs_gguf_writer *w)
+{
+    const float v[4] = { 3, 3, 2, 0 };
+    kvs_gguf_writer_set_arr(w, "qwen35.rope.dimension_sections", KVS_GGUF_TYPE_FLOAT32, v, 4);
+}
+static void ed_q35moe_experts0(struct kvs_gguf_writer *w) { kvs_gguf_writer_set_u32(w, "qwen35moe.expert_count", 0); }
+static void ed_q35moe_nextn0(struct kvs_gguf_writer *w) { kvs_gguf_writer_set_u32(w, "qwen35moe.nextn_predict_layers", 0); }
+
+/* qwen35 / qwen35moe: each required key removed, or set inconsistent, is
+ * refused with the code and the words that name it (qwen35-facts §1). */
+static void test_hparams_bad_qwen35(void **st)
+{
+    (void)st;
+    static const struct {
+        const char *model, *drop;
+        void (*edit)(struct kvs_gguf_writer *w);
+        kvs_err want;
+        const char *words;
+    } cases[] = {
+        { "qwen35-mixed", "qwen35.ssm.conv_kernel", NULL, KVS_ERR_NOT_FOUND, "'qwen35.ssm.conv_kernel': required but absent" },
+        { "qwen35-mixed", "qwen35.ssm.state_size", NULL, KVS_ERR_NOT_FOUND, "'qwen35.ssm.state_size': required but absent" },
+        { "qwen35-mixed", "qwen35.ssm.time_step_rank", NULL, KVS_ERR_NOT_FOUND, "'qwen35.ssm.time_step_rank': required" },
+        { "qwen35-mixed", "qwen35.ssm.group_count", NULL, KVS_ERR_NOT_FOUND, "'qwen35.ssm.group_count': required" },
+        { "qwen35-mixed", "qwen35.ssm.inner_size", NULL, KVS_ERR_NOT_FOUND, "'qwen35.ssm.inner_size': required" },
+        { "qwen35-mixed", "qwen35.rope.dimension_sections", NULL, KVS_ERR_NOT_FOUND,
+          "'qwen35.rope.dimension_sections': required but absent" },
+        { "qwen35-mixed", "qwen35.feed_forward_length", NULL, KVS_ERR_NOT_FOUND, "'qwen35.feed_forward_length': required" },
+        { "qwen35-mixed", "qwen35.attention.layer_norm_rms_epsilon", NULL, KVS_ERR_NOT_FOUND, "layer_norm_rms_epsilon" },
+        { "qwen35-mixed", NULL, ed_q35_inner, KVS_ERR_FORMAT, "ssm.inner_size 300 != ssm.time_step_rank 4 x ssm.state_size 64" },
+        { "qwen35-mixed", NULL, ed_q35_rank3, KVS_ERR_FORMAT, "ssm.time_step_rank 3 is not a multiple of ssm.group_count 2" },
+        { "qwen35-mixed", NULL, ed_q35_groups, KVS_ERR_RANGE, "ssm.group_count = 8 is out of range [1, 4]" },
+        { "qwen35-mixed", NULL, ed_q35_conv1, KVS_ERR_RANGE, "ssm.conv_kernel = 1 is out of range" },
+        { "qwen35-mixed", NULL, ed_q35_interval0, KVS_ERR_RANGE, "full_attention_interval = 0 is out of range" },
+        { "qwen35-mixed", NULL, ed_q35_nextn, KVS_ERR_FORMAT, "nextn_predict_layers 4 leaves no main block of block_count 4" },
+        { "qwen35-mixed", NULL, ed_q35_experts, KVS_ERR_UNSUPPORTED, "mixture-of-experts qwen35 models are not supported" },
+        { "qwen35-mixed", NULL, ed_q35_recr_len, KVS_ERR_FORMAT, "expected 4 BOOL/INT32/UINT32 (block_count), got 3" },
+        { "qwen35-mixed", NULL, ed_q35_sections_f32, KVS_ERR_FORMAT, "expected 3 or 4 INT32 (M-RoPE sections)" },
+        { "qwen35moe-q4_k", "qwen35moe.expert_shared_feed_forward_length", NULL, KVS_ERR_NOT_FOUND,
+          "'qwen35moe.expert_shared_feed_forward_length': required but absent" },
+        { "qwen35moe-q4_k", "qwen35moe.expert_used_count", NULL, KVS_ERR_NOT_FOUND, "'qwen35moe.expert_used_count': required" },
+        { "qwen35moe-q4_k", NULL, ed_q35moe_experts0, KVS_ERR_FORMAT, "qwen35moe needs qwen35moe.expert_count >= 1" },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        uint8_t *hdr = NULL;
+        struct kvs_gguf *g = edited_header_drop(cases[i].model, cases[i].drop, cases[i].edit, &hdr);
+        struct kvs_hparams hp;
+        char err[256] = "";
+        kvs_err e = kvs_hparams_read(g, &hp, err, sizeof err);
+        if (e != cases[i].want || !strstr(err, cases[i].words))
+            fail_msg("case %zu: %s (%s), expected %s with '%s'", i, kvs_strerror(e), err, kvs_strerror(cases[i].want),
+                     cases[i].words);
+        kvs_gguf_close(g);
+        free(hdr);
+    }
+    /* Without nextn_predict_layers the MoE file's MTP block 4 counts as a
+     * main (GDN, by the interval) block, as in llama.cpp, whose loader then
+     * fails on its missing tensors. */
+    uint8_t *hdr = NULL;
+    struct kvs_gguf *g = edited_header("qwen35moe-q4_k", ed_q35moe_nextn0, &hdr);
+    struct kvs_hparams hp;
+    char err[256] = "";
+    assert_int_equal(kvs_hparams_read(g, &hp, err, sizeof err), KVS_OK);
+    assert_int_equal(hp.n_block, 5);
+    assert_true(kvs_hparams_recurrent(&hp, 4));
+    kvs_gguf_close(g);
+    free(hdr);
+}
+
+/* Hyperparameters of the qwen35 test models (../shared/models/README.md). */
+static void test_hparams_qwen35(void **st)
+{
+    (void)st;
+    struct kvs_hparams hp;
+    char err[256];
+    struct kvs_gguf *g = open_model("qwen35-mixed");
+    assert_int_equal(kvs_hparams_read(g, &hp, err, sizeof err), KVS_OK);
+    assert_int_equal(hp.arch, KVS_ARCH_QWEN35);
+    assert_true(kvs_hparams_hybrid(&hp));
+    assert_int_equal(hp.n_block, 4);
+    assert_int_equal(hp.n_nextn, 0);
+    assert_int_equal(hp.n_embd, 256);
+    assert_int_equal(hp.n_head, 4);
+    assert_int_equal(hp.n_head_kv, 2);
+    assert_int_equal(hp.head_dim, 64);
+    assert_int_equal(hp.n_rot, 16);
+    assert_int_equal(hp.n_ff, 256);
+    assert_int_equal(hp.ssm_conv, 4);
+    assert_int_equal(hp.ssm_d, 64);
+    assert_int_equal(hp.ssm_h_v, 4);
+    assert_int_equal(hp.ssm_h_k, 2);
+    assert_int_equal(kvs_hparams_conv_channels(&hp), 512);
+    /* (K-1)·C + H_v·d·d floats: 3·512 + 4·64·64 */
+    assert_int_equal(kvs_hparams_recurrent_bytes(&hp), (3 * 512 + 4 * 64 * 64) * 4);
+    assert_true(kvs_hparams_recurrent(&hp, 0) && kvs_hparams_recurrent(&hp, 2) && !kvs_hparams_recurrent(&hp, 3));
+    assert_true(hp.tied_output);
+    assert_true(hp.rope_neox);
+    kvs_gguf_close(g);
+    g = open_model("qwen35moe-q4_k");
+    assert_int_equal(kvs_hparams_read(g, &hp, err, sizeof err), KVS_OK);
+    assert_int_equal(hp.arch, KVS_ARCH_QWEN35MOE);
+    assert_int_equal(hp.n_block, 4); /* block_count 5 minus the MTP block */
+    assert_int_equal(hp.n_nextn, 1);
+    assert_int_equal(hp.n_expert, 8);
+    assert_int_equal(hp.n_expert_used, 3);
+    assert_int_equal(hp.n_ff_exp, 256);
+    assert_int_equal(hp.n_ff_shexp, 256);
+    assert_int_equal(hp.ssm_h_v, 8);
+    assert_int_equal(hp.ssm_d, 32);
+    assert_int_equal(kvs_hparams_conv_channels(&hp), 384);
+    assert_false(kvs_hparams_recurrent(&hp, 3));
+    assert_false(kvs_hparams_recurrent(&hp, 4)); /* not a main block */
+    kvs_gguf_close(g);
 }
 
 /* Hyperparameters that once got through (or gave a misleading error): each
@@ -531,6 +687,51 @@ static void test_rewind(void **st)
     kvs_gguf_close(g);
 }
 
+/* Hybrid models: a recurrent state cannot be rewound, so a sequence
+ * continues or restarts at 0 (which starts from zero state, as does a
+ * cleared sequence): both restarts equal a fresh model's logits, and the
+ * state carried across chunks equals one batch. */
+static void test_recurrent_state(void **st)
+{
+    (void)st;
+    struct kvs_gguf *g = open_model("qwen35moe-q4_k");
+    struct kvs_model *m = load(g, 0, -1, 2, 8);
+    struct kvs_model *fresh = load(g, 0, -1, 1, 8);
+    const int32_t V = (int32_t)kvs_model_hparams(m)->n_vocab;
+    float *a = malloc((size_t)V * sizeof(float)), *b2 = malloc((size_t)V * sizeof(float));
+    assert_true(a && b2);
+    int32_t tok[6] = { 785, 6722, 315, 9625, 374, 264 }, alt[6] = { 40, 1079, 5911, 311, 279, 3283 };
+    int32_t seq[6] = { 0 }, pos[6] = { 0, 1, 2, 3, 4, 5 };
+    struct kvs_batch b = { .n_tokens = 6, .token = tok, .seq = seq, .pos = pos };
+    assert_int_equal(kvs_model_forward(m, &b, a), KVS_OK);
+    /* Rewinding into the middle is refused and changes nothing. */
+    struct kvs_batch rw = { .n_tokens = 2, .token = alt + 2, .seq = seq, .pos = pos + 2 };
+    assert_int_equal(kvs_model_forward(m, &rw, a), KVS_ERR_RANGE);
+    assert_int_equal(kvs_model_seq_len(m, 0), 6);
+    /* Restart at 0 without a clear: fresh state. */
+    struct kvs_batch f = { .n_tokens = 6, .token = alt, .seq = seq, .pos = pos };
+    assert_int_equal(kvs_model_forward(m, &f, a), KVS_OK);
+    assert_int_equal(kvs_model_forward(fresh, &f, b2), KVS_OK);
+    assert_true(max_rel_diff(a, b2, (size_t)V) == 0.0);
+    /* Clear, then the same prompt in chunks of 4 + 2 on slot 1 and 0. */
+    kvs_model_seq_clear(m, 0);
+    assert_int_equal(kvs_model_seq_len(m, 0), 0);
+    int32_t seq1[6] = { 1, 1, 1, 1, 1, 1 };
+    struct kvs_batch c1 = { .n_tokens = 4, .token = alt, .seq = seq1, .pos = pos };
+    struct kvs_batch c2 = { .n_tokens = 2, .token = alt + 4, .seq = seq1, .pos = pos + 4 };
+    assert_int_equal(kvs_model_forward(m, &c1, a), KVS_OK);
+    assert_int_equal(kvs_model_forward(m, &c2, a), KVS_OK);
+    assert_true(max_rel_diff(a, b2, (size_t)V) == 0.0);
+    b.token = alt;
+    assert_int_equal(kvs_model_forward(m, &b, a), KVS_OK); /* slot 0 after the clear */
+    assert_true(max_rel_diff(a, b2, (size_t)V) == 0.0);
+    free(a);
+    free(b2);
+    kvs_model_free(m);
+    kvs_model_free(fresh);
+    kvs_gguf_close(g);
+}
+
 int main(void)
 {
     /* KVS_TEST_FILTER=pattern runs a subset (cmocka glob). */
@@ -538,8 +739,11 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_hparams),
         cmocka_unit_test(test_hparams_bad),
+        cmocka_unit_test(test_hparams_qwen35),
+        cmocka_unit_test(test_hparams_bad_qwen35),
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_rewind),
+        cmocka_unit_test(test_recurrent_state),
         cmocka_unit_test(test_ref_aidreams260K),
         cmocka_unit_test(test_greedy_aidreams),
         cmocka_unit_test(test_batching_aidreams),
@@ -554,6 +758,13 @@ int main(void)
         cmocka_unit_test(test_ref_qwen3moe_mixed),
         cmocka_unit_test(test_batching_qwen3moe),
         cmocka_unit_test(test_window_qwen3moe),
+        cmocka_unit_test(test_ref_qwen35_mixed),
+        cmocka_unit_test(test_ref_qwen35moe_q4_k),
+        cmocka_unit_test(test_greedy_qwen35moe),
+        cmocka_unit_test(test_batching_qwen35),
+        cmocka_unit_test(test_batching_qwen35moe),
+        cmocka_unit_test(test_window_qwen35),
+        cmocka_unit_test(test_window_qwen35moe),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

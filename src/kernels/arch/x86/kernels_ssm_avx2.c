@@ -1,0 +1,79 @@
+/* AVX2 + FMA Gated DeltaNet kernels (contracts: kvs_ssm_* in kernels.h). */
+#include <immintrin.h>
+#include <math.h>
+
+#include "kernels/kernels_ssm_impl.h"
+
+static inline float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float silu(float z) { return z / (1.0f + expf(-z)); }
+
+void kvs_avx2_ssm_conv_step(float *state, const float *wt, const float *x, float *y, int64_t c0, int64_t c1,
+                            int64_t C, int K)
+{
+    const size_t sC = (size_t)C;
+    int64_t c = c0;
+    for (; c + 8 <= c1; c += 8) {
+        __m256 xv = _mm256_loadu_ps(x + c);
+        __m256 s = _mm256_setzero_ps();
+        for (int i = 0; i < K - 1; i++)
+            s = _mm256_fmadd_ps(_mm256_loadu_ps(wt + (size_t)i * sC + (size_t)c),
+                                _mm256_loadu_ps(state + (size_t)i * sC + (size_t)c), s);
+        s = _mm256_fmadd_ps(_mm256_loadu_ps(wt + (size_t)(K - 1) * sC + (size_t)c), xv, s);
+        _mm256_storeu_ps(y + c, s);
+        for (int i = 0; i + 1 < K - 1; i++)
+            _mm256_storeu_ps(state + (size_t)i * sC + (size_t)c, _mm256_loadu_ps(state + (size_t)(i + 1) * sC + (size_t)c));
+        _mm256_storeu_ps(state + (size_t)(K - 2) * sC + (size_t)c, xv);
+        for (int j = 0; j < 8; j++) y[c + j] = silu(y[c + j]);
+    }
+    for (; c < c1; c++) {
+        float s = 0.0f;
+        for (int i = 0; i < K - 1; i++) s = fmaf(wt[(size_t)i * sC + (size_t)c], state[(size_t)i * sC + (size_t)c], s);
+        s = fmaf(wt[(size_t)(K - 1) * sC + (size_t)c], x[c], s);
+        y[c] = silu(s);
+        for (int i = 0; i + 1 < K - 1; i++) state[(size_t)i * sC + (size_t)c] = state[(size_t)(i + 1) * sC + (size_t)c];
+        state[(size_t)(K - 2) * sC + (size_t)c] = x[c];
+    }
+}
+
+void kvs_avx2_ssm_delta_step(float *S, const float *q, const float *kk, const float *v, float decay, float beta,
+                             float scale, float *o, int64_t d)
+{
+    const __m256 dv = _mm256_set1_ps(decay);
+    for (int64_t j = 0; j < d; j++) {
+        float *row = S + (size_t)j * (size_t)d;
+        __m256 kv = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 r = _mm256_mul_ps(_mm256_loadu_ps(row + i), dv);
+            _mm256_storeu_ps(row + i, r);
+            kv = _mm256_fmadd_ps(r, _mm256_loadu_ps(kk + i), kv);
+        }
+        const __m256 delta = _mm256_set1_ps(beta * (v[j] - hsum8(kv)));
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 r = _mm256_fmadd_ps(_mm256_loadu_ps(kk + i), delta, _mm256_loadu_ps(row + i));
+            _mm256_storeu_ps(row + i, r);
+            acc = _mm256_fmadd_ps(r, _mm256_loadu_ps(q + i), acc);
+        }
+        o[j] = hsum8(acc) * scale;
+    }
+}
+
+void kvs_avx2_ssm_gated_norm(float *o, const float *z, const float *w, int64_t d, float eps)
+{
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        __m256 v = _mm256_loadu_ps(o + i);
+        ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    const __m256 sc = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)d + eps));
+    for (int64_t i = 0; i < d; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(o + i), sc), _mm256_loadu_ps(w + i)));
+    for (int64_t i = 0; i < d; i++) o[i] *= silu(z[i]);
+}
