@@ -27,4 +27,7 @@ check() { # model, ring size, extra args
 }
 check "$SH/models/aidreams260K.gguf" 4
 check "$SH/models/llama-q4_k_m.gguf" 3 --boundary f32
+# hybrid: per-sequence Gated DeltaNet state on every stage (windows [0,1) [1,2) [2,4))
+check "$SH/models/qwen35moe-q4_k.gguf" 3 --boundary f32
+check "$SH/models/qwen35-mixed.gguf" 3 --boundary f32
 echo PASS
