@@ -55,7 +55,12 @@ struct kvs_plan_model {
                                                         dense tensors fully, expert tensors
                                                         (ffn_*_exps) scaled by used/total */
     uint64_t block_kv_bytes[KVS_PLAN_MAX_BLOCKS];    /* KV-cache bytes per token per block:
-                                                        2 (K,V) * n_head_kv * head_dim * 2 (F16) */
+                                                        2 (K,V) * n_head_kv * head_dim * 2 (F16);
+                                                        0 for a Gated DeltaNet block */
+    uint64_t block_state_bytes[KVS_PLAN_MAX_BLOCKS]; /* recurrent state bytes per sequence per
+                                                        block (fixed, whatever the context):
+                                                        Gated DeltaNet ((K-1)·C + H_v·d²) · 4
+                                                        (F32); 0 for attention blocks */
     uint64_t common_bytes;      /* non-block tensors every stage holds (e.g. rope_freqs) */
     uint64_t head_bytes;        /* held by rank 0 only: token_embd */
     uint64_t head_stream_bytes; /* streamed per token on the head (one embedding row) */
@@ -76,7 +81,11 @@ struct kvs_plan_model {
  * `{arch}.attention.key_length` (value_length for V), default n_embd/n_head;
  * `{arch}.attention.head_count_kv` may be a per-layer array (gguf-facts §3.2).
  * Expert tensors (`*_exps`, 3-D {.., .., n_expert}) stream
- * bytes * expert_used_count / n_expert per token.
+ * bytes * expert_used_count / n_expert per token. Hybrid models (qwen35,
+ * qwen35moe, qwen3next: `{arch}.ssm.*` keys, ../shared/docs/qwen35-facts.md
+ * §1, §4.2): a block is Gated DeltaNet per `{arch}.attention.recurrent_layers`
+ * or else unless (il + 1) % `{arch}.full_attention_interval` (default 4) == 0;
+ * it has no KV cache but block_state_bytes per sequence.
  * *out is malloc'd (free with free()). Errors: KVS_ERR_FORMAT / NOT_FOUND
  * (missing or bad hyperparameters), KVS_ERR_RANGE (more than
  * KVS_PLAN_MAX_BLOCKS blocks, block index out of range), KVS_ERR_NOMEM. */
@@ -166,7 +175,7 @@ struct kvs_plan_rank {
     size_t device;              /* index into the inventory */
     uint32_t begin, end;        /* window [begin, end) */
     uint64_t weights_bytes;     /* blocks + common + head/tail extras */
-    uint64_t kv_bytes;          /* KV cache for ctx * seqs tokens */
+    uint64_t kv_bytes;          /* KV cache for ctx * seqs tokens + recurrent state for seqs */
     uint64_t buffer_bytes;      /* work buffers (kvs_plan_buffer_bytes) */
     double compute_ms;          /* per decode token */
     double hop_ms;              /* to the next rank (tail: token id to rank 0); 0 if alone */

@@ -79,6 +79,62 @@ static kvs_err head_count_kv(const struct kvs_gguf *g, const char *key, uint32_t
     return KVS_OK;
 }
 
+/* Hybrid (Gated DeltaNet) models: which blocks are recurrent and their
+ * per-sequence state (qwen35-facts §1 keys, §4.2 state sizes). Leaves m
+ * untouched (all attention) when the file has no `{arch}.ssm.state_size`. */
+static kvs_err hybrid_state(const struct kvs_gguf *g, const char *arch, size_t alen, uint32_t n_layer,
+                            struct kvs_plan_model *m, char *errbuf, size_t errlen)
+{
+    static const char *const hybrids[] = { "qwen35", "qwen35moe", "qwen3next" };
+    bool hybrid = false;
+    for (size_t i = 0; i < sizeof hybrids / sizeof hybrids[0]; i++)
+        hybrid |= strlen(hybrids[i]) == alen && !memcmp(hybrids[i], arch, alen);
+    uint32_t d = 0, K = 0, hv = 0, hk = 0, interval = 4;
+    kvs_err e;
+    if (!hybrid || get_u32_arch(g, arch, alen, "ssm.state_size", &d, false, errbuf, errlen) == KVS_ERR_NOT_FOUND)
+        return KVS_OK;
+    if ((e = get_u32_arch(g, arch, alen, "ssm.state_size", &d, true, errbuf, errlen)) ||
+        (e = get_u32_arch(g, arch, alen, "ssm.conv_kernel", &K, true, errbuf, errlen)) ||
+        (e = get_u32_arch(g, arch, alen, "ssm.time_step_rank", &hv, true, errbuf, errlen)) ||
+        (e = get_u32_arch(g, arch, alen, "ssm.group_count", &hk, true, errbuf, errlen)))
+        return e;
+    e = get_u32_arch(g, arch, alen, "full_attention_interval", &interval, false, errbuf, errlen);
+    if (e && e != KVS_ERR_NOT_FOUND)
+        return e;
+    if (d == 0 || d > 4096 || K < 2 || K > 64 || hv == 0 || hv > 4096 || hk == 0 || hk > hv || interval == 0) {
+        kvs_plan_seterr(errbuf, errlen, "bad ssm hyperparameters: state_size %u, conv_kernel %u, time_step_rank %u, "
+                        "group_count %u, full_attention_interval %u", d, K, hv, hk, interval);
+        return KVS_ERR_FORMAT;
+    }
+    const uint64_t C = (2ull * hk + hv) * d;
+    const uint64_t state = ((uint64_t)(K - 1) * C + (uint64_t)hv * d * d) * 4;
+    char key[160];
+    enum kvs_gguf_type et = KVS_GGUF_TYPE_UINT32;
+    uint64_t n = 0;
+    const void *data = NULL;
+    const bool have_arr = arch_key(key, sizeof key, arch, alen, "attention.recurrent_layers") &&
+                          kvs_gguf_get_arr(g, key, &et, &n, &data) == KVS_OK;
+    const size_t esz = et == KVS_GGUF_TYPE_BOOL || et == KVS_GGUF_TYPE_UINT8 || et == KVS_GGUF_TYPE_INT8 ? 1
+                       : et == KVS_GGUF_TYPE_UINT32 || et == KVS_GGUF_TYPE_INT32                        ? 4
+                                                                                                       : 0;
+    if (have_arr && (!esz || n != n_layer)) {
+        kvs_plan_seterr(errbuf, errlen, "%s: expected %u BOOL/INT32/UINT32", key, n_layer);
+        return KVS_ERR_FORMAT;
+    }
+    for (uint32_t il = 0; il < m->n_block; il++) {
+        bool recr = (il + 1) % interval != 0;
+        if (have_arr) {
+            const uint8_t *p = (const uint8_t *)data + (size_t)il * esz;
+            recr = esz == 1 ? p[0] != 0 : (p[0] | p[1] | p[2] | p[3]) != 0;
+        }
+        if (recr) {
+            m->block_kv_bytes[il] = 0;
+            m->block_state_bytes[il] = state;
+        }
+    }
+    return KVS_OK;
+}
+
 kvs_err kvs_plan_model_from_gguf(const struct kvs_gguf *g, struct kvs_plan_model **out, char *errbuf,
                                  size_t errlen)
 {
@@ -154,6 +210,10 @@ kvs_err kvs_plan_model_from_gguf(const struct kvs_gguf *g, struct kvs_plan_model
         }
         /* K and V, F16 (2 bytes) each: gguf-facts §3.2 / models/README (F16 KV). */
         m->block_kv_bytes[il] = (uint64_t)hkv * ((uint64_t)kl + vl) * 2;
+    }
+    if ((e = hybrid_state(g, arch, alen, n_layer, m, errbuf, errlen))) {
+        free(m);
+        return e;
     }
 
     const struct kvs_gguf_tensor *embd = NULL;

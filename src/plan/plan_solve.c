@@ -79,7 +79,7 @@ uint64_t kvs_plan_buffer_bytes(const struct kvs_plan_model *m, const struct kvs_
 /* Prefix sums over blocks: W (weights), S (stream), K (kv per token). */
 struct prefix {
     uint32_t n;
-    uint64_t *w, *s, *k;
+    uint64_t *w, *s, *k, *r; /* weights, stream, KV per token, recurrent state per sequence */
 };
 
 static kvs_err prefix_init(struct prefix *p, const struct kvs_plan_model *m)
@@ -88,12 +88,14 @@ static kvs_err prefix_init(struct prefix *p, const struct kvs_plan_model *m)
     p->w = calloc((size_t)m->n_block + 1, sizeof *p->w);
     p->s = calloc((size_t)m->n_block + 1, sizeof *p->s);
     p->k = calloc((size_t)m->n_block + 1, sizeof *p->k);
-    if (!p->w || !p->s || !p->k)
+    p->r = calloc((size_t)m->n_block + 1, sizeof *p->r);
+    if (!p->w || !p->s || !p->k || !p->r)
         return KVS_ERR_NOMEM;
     for (uint32_t i = 0; i < m->n_block; i++) {
         p->w[i + 1] = add_sat(p->w[i], m->block_weight_bytes[i]);
         p->s[i + 1] = add_sat(p->s[i], m->block_stream_bytes[i]);
         p->k[i + 1] = add_sat(p->k[i], m->block_kv_bytes[i]);
+        p->r[i + 1] = add_sat(p->r[i], m->block_state_bytes[i]);
     }
     return KVS_OK;
 }
@@ -103,6 +105,7 @@ static void prefix_free(struct prefix *p)
     free(p->w);
     free(p->s);
     free(p->k);
+    free(p->r);
 }
 
 /* Bytes of window [a,b): weights (with extras), kv, buffers. */
@@ -120,7 +123,7 @@ static uint64_t win_kv(const struct kvs_plan_model *m, const struct prefix *p, c
                        uint32_t a, uint32_t b)
 {
     (void)m;
-    return mul_sat(mul_sat(p->k[b] - p->k[a], t->ctx), t->seqs);
+    return mul_sat(add_sat(mul_sat(p->k[b] - p->k[a], t->ctx), p->r[b] - p->r[a]), t->seqs);
 }
 
 static uint64_t win_mem(const struct kvs_plan_model *m, const struct prefix *p, const struct kvs_plan_targets *t,
@@ -428,7 +431,8 @@ static kvs_err check_capacity(const struct kvs_plan_model *m, const struct prefi
     uint32_t worst_b = 0;
     for (uint32_t b = 0; b < m->n_block; b++) {
         uint64_t need = add_sat(add_sat(m->block_weight_bytes[b], m->common_bytes),
-                                add_sat(mul_sat(mul_sat(m->block_kv_bytes[b], t->ctx), t->seqs),
+                                add_sat(mul_sat(add_sat(mul_sat(m->block_kv_bytes[b], t->ctx),
+                                                        m->block_state_bytes[b]), t->seqs),
                                         kvs_plan_buffer_bytes(m, t, false)));
         if (need > worst) {
             worst = need;
@@ -452,7 +456,7 @@ static kvs_err check_capacity(const struct kvs_plan_model *m, const struct prefi
             cap = add_sat(cap, inv->devices[i].mem_bytes - fixed);
             n_useful++;
         }
-    uint64_t need = add_sat(p->w[m->n_block], mul_sat(mul_sat(p->k[m->n_block], t->ctx), t->seqs));
+    uint64_t need = add_sat(p->w[m->n_block], win_kv(m, p, t, 0, m->n_block));
     need = add_sat(need, add_sat(m->head_bytes, m->tail_bytes));
     need = add_sat(need, kvs_plan_buffer_bytes(m, t, true) - kvs_plan_buffer_bytes(m, t, false));
     if (n_useful <= 1)

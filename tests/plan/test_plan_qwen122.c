@@ -1,21 +1,29 @@
-/* The planner on a Qwen3.5-122B-A10B-shaped model over a mixed inventory.
+/* The planner on a Qwen3.5-122B-A10B model over a mixed inventory.
  *
  * Fixture (built as a GGUF header in memory, no tensor data, parsed with the
- * file's apparent size): 48 blocks + 1 MTP (nextn) block, n_embd 3072, 32
- * heads (gated Q: 2 * 32 * 256 = 16384 rows), 2 KV heads of 256, 256 experts
- * of width 1024 with 8 used plus a shared expert, vocabulary 248320.
- * Types: attention and shared expert Q8_0, gate/up experts Q4_K, down experts
- * Q5_K, embedding and output Q6_K, norms and router F32 -> about 77.5 GB, a
- * Q4_K-class mix. (Simplification: every block is given full-attention KV;
- * the real model's Gated DeltaNet layers keep a fixed state instead.)
+ * file's apparent size): the real configuration of
+ * ../shared/docs/qwen35-facts.md §7 — 48 main blocks + 1 MTP (nextn) block,
+ * n_embd 3072; every fourth block (3, 7, ..., 47) gated attention with 32
+ * query heads of 256 (gated Q: 2 * 32 * 256 = 16384 rows) and 2 KV heads, the
+ * others Gated DeltaNet with 16 key / 64 value heads of 128 (conv channels
+ * 12288, kernel 4); every block MoE with 256 experts of width 1024, 8 used,
+ * plus a shared expert of 1024; vocabulary 248320. Types: stock
+ * llama-quantize Q4_K_M (facts §7): q4_K everywhere, q6_K for attn_qkv /
+ * attn_v and ffn_down_exps / ffn_down_shexp in layers i < 49/8, i >= 7*49/8
+ * or (i - 49/8) % 3 == 2 (integer division), output q6_K, token_embd q4_K;
+ * norms, conv, ssm_a / ssm_dt and routers F32. Per-block bytes and the
+ * total (75 832 911 872) are the facts document's table.
  *
  * Per-block byte counts are recomputed here from the shapes with the block
- * sizes of gguf-facts §2.1 (Q4_K 144 B / 256, Q5_K 176 B / 256,
- * Q6_K 210 B / 256, Q8_0 34 B / 32, F32 4 B), and the predicted token time is
- * recomputed from them and the device figures with the cost model of
+ * sizes of gguf-facts §2.1 (Q4_K 144 B / 256, Q6_K 210 B / 256, F32 4 B),
+ * KV only for attention blocks (2 x 2 heads x 256 x 2 B per token) and a
+ * fixed F32 state per sequence for DeltaNet blocks ((4-1) x 12288 conv +
+ * 64 x 128 x 128 delta = 4 341 760 B, facts §4.2); the predicted token time
+ * is recomputed from them and the device figures with the cost model of
  * docs/PLAN.md, independently of the planner's code. */
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -34,32 +42,46 @@
 #define QROWS 16384ll
 #define KVW 512ll   /* 2 KV heads * 256 */
 #define OIN 8192ll  /* 32 heads * 256 */
+#define CONV 12288ll /* (2 * 16 + 64) * 128 */
+#define VD 8192ll   /* 64 value heads * 128 */
+#define HV 64ll
 #define N_LAYER 49  /* 48 + 1 MTP */
 #define N_RUN 48
+#define STATE_SEQ 4341760ull /* ((4 - 1) * 12288 + 64 * 128 * 128) * 4 */
+#define KV_TOK 2048ull       /* 2 (K, V) * 2 heads * 256 * 2 bytes (F16) */
 
 /* Bytes of n elements: gguf-facts §2.1. */
 static uint64_t q4k(uint64_t n) { return n / 256 * 144; }
-static uint64_t q5k(uint64_t n) { return n / 256 * 176; }
 static uint64_t q6k(uint64_t n) { return n / 256 * 210; }
-static uint64_t q80(uint64_t n) { return n / 32 * 34; }
 static uint64_t f32(uint64_t n) { return n * 4; }
 
-/* Hand-computed profile of one block. */
-static uint64_t hand_block_weights(void)
+static bool attn_block(int b) { return (b + 1) % 4 == 0 || b == N_RUN; /* the MTP block is attention */ }
+/* llama-quantize's Q4_K_M "more bits" layers (facts §7), n = block_count 49. */
+static bool q6_layer(int i) { return i < N_LAYER / 8 || i >= 7 * N_LAYER / 8 || (i - N_LAYER / 8) % 3 == 2; }
+static uint64_t q46(int b, uint64_t n) { return q6_layer(b) ? q6k(n) : q4k(n); }
+
+/* Hand-computed bytes of block b's tensors (held), and streamed per token
+ * (8 of 256 experts). */
+static uint64_t hand_ffn(int b, bool stream)
 {
-    return 2 * f32(E)                                                  /* attn_norm, ffn_norm */
-           + q80(E * QROWS) + 2 * q80(E * KVW) + q80(OIN * E)          /* q, k, v, o */
-           + f32(E * X)                                                /* router */
-           + 2 * q4k(E * FE * X) + q5k(FE * E * X)                     /* gate/up/down experts */
-           + 2 * q80(E * FE) + q80(FE * E);                            /* shared expert */
+    uint64_t exps = 2 * q4k(E * FE * X) + q46(b, FE * E * X);
+    return 2 * f32(E) /* attn_norm, post_attention_norm */ + f32(E * X) /* router */ +
+           (stream ? exps / 256 * 8 : exps) + f32(E) /* shared gate */ + 2 * q4k(E * FE) + q46(b, FE * E);
 }
 
-static uint64_t hand_block_stream(void)
+static uint64_t hand_mixer(int b)
 {
-    return 2 * f32(E) + q80(E * QROWS) + 2 * q80(E * KVW) + q80(OIN * E) + f32(E * X) +
-           (2 * q4k(E * FE * X) + q5k(FE * E * X)) / 256 * 8 /* 8 of 256 experts */
-           + 2 * q80(E * FE) + q80(FE * E);
+    if (attn_block(b))
+        return q4k(E * QROWS) + q4k(E * KVW) + q46(b, E * KVW) + 2 * f32(256) + q4k(OIN * E);
+    return q46(b, E * CONV) + q4k(E * VD) + f32(4 * CONV) + 2 * f32(HV) + 2 * q4k(E * HV) + f32(128) + q4k(VD * E);
 }
+
+static uint64_t hand_block_weights(int b) { return hand_mixer(b) + hand_ffn(b, false); }
+static uint64_t hand_block_stream(int b) { return hand_mixer(b) + hand_ffn(b, true); }
+static uint64_t hand_kv(int b) { return attn_block(b) ? KV_TOK : 0; }
+static uint64_t hand_state(int b) { return attn_block(b) ? 0 : STATE_SEQ; }
+/* The MTP block 48: an attention block + eh_proj {2E, E} q4_K + 3 norms. */
+static uint64_t hand_mtp(void) { return hand_block_weights(N_RUN) + q4k(2 * E * E) + 3 * f32(E); }
 
 static kvs_err add(struct kvs_gguf_writer *w, const char *name, enum kvs_type type, uint32_t nd, int64_t a,
                    int64_t b, int64_t c, uint64_t bytes)
@@ -89,7 +111,14 @@ static int setup(void **state)
     e = e ? e : kvs_gguf_writer_set_u32(w, "qwen35moe.expert_count", (uint32_t)X);
     e = e ? e : kvs_gguf_writer_set_u32(w, "qwen35moe.expert_used_count", 8);
     e = e ? e : kvs_gguf_writer_set_u32(w, "qwen35moe.expert_feed_forward_length", (uint32_t)FE);
-    e = e ? e : add(w, "token_embd.weight", KVS_TYPE_Q6_K, 2, E, V, 1, q6k(E * V));
+    e = e ? e : kvs_gguf_writer_set_u32(w, "qwen35moe.expert_shared_feed_forward_length", (uint32_t)FE);
+    e = e ? e : kvs_gguf_writer_set_u32(w, "qwen35moe.ssm.conv_kernel", 4);
+    e = e ? e : kvs_gguf_writer_set_u32(w, "qwen35moe.ssm.state_size", 128);
+    e = e ? e : kvs_gguf_writer_set_u32(w, "qwen35moe.ssm.group_count", 16);
+    e = e ? e : kvs_gguf_writer_set_u32(w, "qwen35moe.ssm.time_step_rank", (uint32_t)HV);
+    e = e ? e : kvs_gguf_writer_set_u32(w, "qwen35moe.ssm.inner_size", (uint32_t)VD);
+    e = e ? e : kvs_gguf_writer_set_u32(w, "qwen35moe.full_attention_interval", 4);
+    e = e ? e : add(w, "token_embd.weight", KVS_TYPE_Q4_K, 2, E, V, 1, q4k(E * V));
     char name[64];
     for (int b = 0; b < N_LAYER && !e; b++) {
 #define T(suffix, type, nd, a, bb, c, bytes)                                                                    \
@@ -98,21 +127,41 @@ static int setup(void **state)
         if (!e)                                                                                                \
             e = add(w, name, type, nd, a, bb, c, bytes);                                                       \
     } while (0)
+        const enum kvs_type t46 = q6_layer(b) ? KVS_TYPE_Q6_K : KVS_TYPE_Q4_K;
         T("attn_norm.weight", KVS_TYPE_F32, 1, E, 1, 1, f32(E));
-        T("attn_q.weight", KVS_TYPE_Q8_0, 2, E, QROWS, 1, q80(E * QROWS));
-        T("attn_k.weight", KVS_TYPE_Q8_0, 2, E, KVW, 1, q80(E * KVW));
-        T("attn_v.weight", KVS_TYPE_Q8_0, 2, E, KVW, 1, q80(E * KVW));
-        T("attn_output.weight", KVS_TYPE_Q8_0, 2, OIN, E, 1, q80(OIN * E));
-        T("ffn_norm.weight", KVS_TYPE_F32, 1, E, 1, 1, f32(E));
+        if (attn_block(b)) {
+            T("attn_q.weight", KVS_TYPE_Q4_K, 2, E, QROWS, 1, q4k(E * QROWS));
+            T("attn_k.weight", KVS_TYPE_Q4_K, 2, E, KVW, 1, q4k(E * KVW));
+            T("attn_v.weight", t46, 2, E, KVW, 1, q46(b, E * KVW));
+            T("attn_q_norm.weight", KVS_TYPE_F32, 1, 256, 1, 1, f32(256));
+            T("attn_k_norm.weight", KVS_TYPE_F32, 1, 256, 1, 1, f32(256));
+            T("attn_output.weight", KVS_TYPE_Q4_K, 2, OIN, E, 1, q4k(OIN * E));
+        } else {
+            T("attn_qkv.weight", t46, 2, E, CONV, 1, q46(b, E * CONV));
+            T("attn_gate.weight", KVS_TYPE_Q4_K, 2, E, VD, 1, q4k(E * VD));
+            T("ssm_conv1d.weight", KVS_TYPE_F32, 2, 4, CONV, 1, f32(4 * CONV));
+            T("ssm_dt.bias", KVS_TYPE_F32, 1, HV, 1, 1, f32(HV));
+            T("ssm_a", KVS_TYPE_F32, 1, HV, 1, 1, f32(HV));
+            T("ssm_beta.weight", KVS_TYPE_Q4_K, 2, E, HV, 1, q4k(E * HV));
+            T("ssm_alpha.weight", KVS_TYPE_Q4_K, 2, E, HV, 1, q4k(E * HV));
+            T("ssm_norm.weight", KVS_TYPE_F32, 1, 128, 1, 1, f32(128));
+            T("ssm_out.weight", KVS_TYPE_Q4_K, 2, VD, E, 1, q4k(VD * E));
+        }
+        T("post_attention_norm.weight", KVS_TYPE_F32, 1, E, 1, 1, f32(E));
         T("ffn_gate_inp.weight", KVS_TYPE_F32, 2, E, X, 1, f32(E * X));
         T("ffn_gate_exps.weight", KVS_TYPE_Q4_K, 3, E, FE, X, q4k(E * FE * X));
         T("ffn_up_exps.weight", KVS_TYPE_Q4_K, 3, E, FE, X, q4k(E * FE * X));
-        T("ffn_down_exps.weight", KVS_TYPE_Q5_K, 3, FE, E, X, q5k(FE * E * X));
-        T("ffn_gate_shexp.weight", KVS_TYPE_Q8_0, 2, E, FE, 1, q80(E * FE));
-        T("ffn_up_shexp.weight", KVS_TYPE_Q8_0, 2, E, FE, 1, q80(E * FE));
-        T("ffn_down_shexp.weight", KVS_TYPE_Q8_0, 2, FE, E, 1, q80(FE * E));
-        if (b == N_LAYER - 1) /* the MTP block's projection of [embedding; hidden] */
-            T("nextn.eh_proj.weight", KVS_TYPE_Q8_0, 2, 2 * E, E, 1, q80(2 * E * E));
+        T("ffn_down_exps.weight", t46, 3, FE, E, X, q46(b, FE * E * X));
+        T("ffn_gate_inp_shexp.weight", KVS_TYPE_F32, 1, E, 1, 1, f32(E));
+        T("ffn_gate_shexp.weight", KVS_TYPE_Q4_K, 2, E, FE, 1, q4k(E * FE));
+        T("ffn_up_shexp.weight", KVS_TYPE_Q4_K, 2, E, FE, 1, q4k(E * FE));
+        T("ffn_down_shexp.weight", t46, 2, FE, E, 1, q46(b, FE * E));
+        if (b == N_RUN) { /* the MTP block: projection of [embedding; hidden] and its norms */
+            T("nextn.eh_proj.weight", KVS_TYPE_Q4_K, 2, 2 * E, E, 1, q4k(2 * E * E));
+            T("nextn.enorm.weight", KVS_TYPE_F32, 1, E, 1, 1, f32(E));
+            T("nextn.hnorm.weight", KVS_TYPE_F32, 1, E, 1, 1, f32(E));
+            T("nextn.shared_head_norm.weight", KVS_TYPE_F32, 1, E, 1, 1, f32(E));
+        }
 #undef T
     }
     e = e ? e : add(w, "output_norm.weight", KVS_TYPE_F32, 1, E, 1, 1, f32(E));
@@ -152,29 +201,38 @@ static void test_profile(void **state)
     assert_int_equal(kvs_plan_model_from_gguf(g_gguf, &m, err, sizeof err), KVS_OK);
     assert_int_equal(m->n_block, N_RUN);
     uint64_t total = 0;
+    int n_attn = 0;
     for (int b = 0; b < N_RUN; b++) {
-        assert_int_equal(m->block_weight_bytes[b], hand_block_weights());
-        assert_int_equal(m->block_stream_bytes[b], hand_block_stream());
-        /* 2 (K, V) * 2 heads * 256 * 2 bytes (F16) */
-        assert_int_equal(m->block_kv_bytes[b], 2048);
+        assert_int_equal(m->block_weight_bytes[b], hand_block_weights(b));
+        assert_int_equal(m->block_stream_bytes[b], hand_block_stream(b));
+        assert_int_equal(m->block_kv_bytes[b], hand_kv(b));
+        assert_int_equal(m->block_state_bytes[b], hand_state(b));
+        n_attn += attn_block(b);
         total += m->block_weight_bytes[b];
     }
-    assert_int_equal(m->head_bytes, q6k(E * V));
-    assert_int_equal(m->head_stream_bytes, q6k(E)); /* one row */
-    uint64_t mtp = hand_block_weights() + q80(2 * E * E);
-    assert_int_equal(m->tail_bytes, f32(E) + q6k(E * V) + mtp);
+    assert_int_equal(n_attn, 12);
+    /* The facts document's per-block bytes (§7 table, Q4_K_M). */
+    assert_int_equal(m->block_weight_bytes[0], 1635570688ull);  /* GDN, q6_K variant */
+    assert_int_equal(m->block_weight_bytes[6], 1417409536ull);  /* GDN, q4_K variant */
+    assert_int_equal(m->block_weight_bytes[3], 1620518912ull);  /* attention, q6_K variant */
+    assert_int_equal(m->block_weight_bytes[7], 1411684352ull);  /* attention, q4_K variant */
+    assert_int_equal(hand_mtp(), 1631172608ull);                /* MTP block 48 */
+    assert_int_equal(m->head_bytes, 429096960ull);              /* token_embd q4_K */
+    assert_int_equal(m->head_stream_bytes, q4k(E));             /* one row */
+    assert_int_equal(m->tail_bytes, f32(E) + 625766400ull + hand_mtp()); /* output q6_K */
     assert_int_equal(m->tail_stream_bytes, f32(E) + q6k(E * V));
     assert_int_equal(m->tied_bytes, 0);
     assert_int_equal(m->n_vocab, V);
     assert_int_equal(m->n_embd, E);
     total += m->head_bytes + m->tail_bytes;
-    /* ~77.5 GB: the Q4_K-class mix of a 122B-parameter model. */
-    printf("fixture: %.3f GB total, %.4f GB per block, %.4f GB streamed per block per token\n", total / 1e9,
-           hand_block_weights() / 1e9, hand_block_stream() / 1e9);
-    assert_true(total > 77000000000ull && total < 78200000000ull);
+    printf("fixture: %.3f GB total; blocks: GDN %.4f / %.4f GB, attention %.4f / %.4f GB (q6_K / q4_K variant); "
+           "state %.2f MiB per sequence per GDN block, KV %llu B per token per attention block\n",
+           total / 1e9, hand_block_weights(0) / 1e9, hand_block_weights(6) / 1e9, hand_block_weights(3) / 1e9,
+           hand_block_weights(7) / 1e9, STATE_SEQ / 1048576.0, (unsigned long long)KV_TOK);
+    assert_int_equal(total, 75832911872ull); /* facts §7: total tensor data */
     /* The data section holds every tensor (plus alignment padding). */
     assert_true(total <= kvs_gguf_file_size(g_gguf) - kvs_gguf_data_offset(g_gguf));
-    assert_true(total + 32ull * 700 >= kvs_gguf_file_size(g_gguf) - kvs_gguf_data_offset(g_gguf));
+    assert_true(total + 32ull * 1000 >= kvs_gguf_file_size(g_gguf) - kvs_gguf_data_offset(g_gguf));
     free(m);
 }
 
@@ -218,8 +276,7 @@ static double check_plan(const struct kvs_plan_inventory *inv, const struct kvs_
     uint32_t at = 0;
     const uint64_t buf = 512ull * E * 4 * 8;       /* ubatch * n_embd * 4 bytes * 8 */
     const uint64_t logits = 2ull * V * 4;          /* seqs * n_vocab * 4 */
-    const uint64_t kv_tok = 2048;                  /* per block per token */
-    const uint64_t mtp = hand_block_weights() + q80(2 * E * E);
+    const uint64_t mtp = hand_mtp();
     double hand_ms = 0;
     for (size_t r = 0; r < res->n_ranks; r++) {
         const struct kvs_plan_rank *rk = &res->ranks[r];
@@ -232,17 +289,21 @@ static double check_plan(const struct kvs_plan_inventory *inv, const struct kvs_
         at = rk->end;
         /* Memory, recomputed by hand. */
         uint32_t nb = rk->end - rk->begin;
-        uint64_t w = nb * hand_block_weights();
-        double stream = (double)nb * hand_block_stream();
+        uint64_t w = 0, kv = 0;
+        double stream = 0;
+        for (uint32_t b = rk->begin; b < rk->end; b++) {
+            w += hand_block_weights((int)b);
+            stream += (double)hand_block_stream((int)b);
+            kv += (hand_kv((int)b) * 32768 + hand_state((int)b)) * 2; /* ctx 32768, 2 seqs */
+        }
         if (rk->begin == 0) {
-            w += q6k(E * V);
-            stream += q6k(E);
+            w += q4k(E * V);
+            stream += q4k(E);
         }
         if (rk->end == N_RUN) {
             w += f32(E) + q6k(E * V) + mtp;
             stream += f32(E) + q6k(E * V);
         }
-        uint64_t kv = nb * kv_tok * 32768 * 2;
         uint64_t bb = buf + (rk->end == N_RUN ? logits : 0);
         assert_int_equal(rk->weights_bytes, w);
         assert_int_equal(rk->kv_bytes, kv);
@@ -331,10 +392,9 @@ static void test_mixed_inventory(void **state)
      * need - capacity by hand (docs/PLAN.md "Infeasible"). */
     inv->devices[CPU64] = inv->devices[N_DEV - 1];
     inv->n_devices = N_DEV - 1;
-    const uint64_t buf = 512ull * E * 4 * 8, logits = 2ull * V * 4, kv_tok = 2048;
-    const uint64_t mtp = hand_block_weights() + q80(2 * E * E);
-    uint64_t need = N_RUN * (hand_block_weights() + kv_tok * 32768 * 2) + q6k(E * V) + f32(E) + q6k(E * V) + mtp +
-                    logits;
+    const uint64_t buf = 512ull * E * 4 * 8, logits = 2ull * V * 4;
+    uint64_t need = q4k(E * V) + f32(E) + q6k(E * V) + hand_mtp() + logits;
+    for (int b = 0; b < N_RUN; b++) need += hand_block_weights(b) + (hand_kv(b) * 32768 + hand_state(b)) * 2;
     uint64_t cap = (24000000000ull - buf) + (16000000000ull - buf) + (8000000000ull - buf) +
                    2 * (12000000000ull - buf);
     assert_int_equal(kvs_plan_solve(m, inv, &t, res, err, sizeof err), KVS_ERR_INFEASIBLE);
