@@ -13,7 +13,9 @@ if [ -n "$missing" ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing
 fi
-# Node.js is only for the OpenAI-client compatibility test.
-if ! command -v node >/dev/null; then
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm || true
+# Node.js is for the OpenAI-client compatibility test (tests/e2e/api_openai.sh), which fails
+# without it.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm
 fi

@@ -40,8 +40,8 @@ static void serve_usage(FILE *f)
                "  --seqs S             sequence slots per stage (default 4)\n"
                "  --boundary f16|f32   boundary precision on the links (default f16)\n"
                "  --max-body BYTES     request body cap (default 1048576)\n"
-               "  --max-connections N  concurrent HTTP connections (default 64; more are refused)\n"
-               "  --step-delay MS      test hook: sleep before every forward on every stage\n");
+               "  --max-connections N  concurrent HTTP connections (default 64; more are refused)\n");
+    /* --step-delay MS (sleep before every forward on every stage) is a test hook: not listed */
     fputs(KVS_CLI_MODEL_URL_HELP, f);
 }
 

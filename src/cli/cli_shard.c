@@ -283,6 +283,11 @@ int kvs_cli_shard(int argc, char **argv)
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
+    for (int i = 2; i < argc; i++) /* `kvasir shard extract --help`: the usage, exit 0 */
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            usage(stdout);
+            return 0;
+        }
     if (!strcmp(argv[1], "extract"))
         return cmd_extract(argc - 1, argv + 1);
     if (!strcmp(argv[1], "index"))

@@ -35,7 +35,7 @@ static void stage_usage(FILE *f)
                "  --timeout MS         neighbour silence / ring probe timeout (default 4000)\n"
                "  --spin N             pool spin before idle compute threads sleep (0: default, %d, short, for\n"
                "                       stages sharing cores; -1: the long single-process spin; KVASIR_SPIN wins)\n"
-               "  --step-delay MS      test hook: sleep before every forward\n"
+               /* --step-delay MS (sleep before every forward) is a test hook: not listed */
                "  --api PORT           OpenAI-compatible HTTP API on the head (as `kvasir serve`)\n"
                "  --api-host ADDR      IPv4 address the API listens on (default 127.0.0.1; 0.0.0.0 = all)\n"
                "  --chat-template NAME chatml | llama3 (default: the GGUF's, else ChatML)\n"

@@ -4,17 +4,17 @@
 # continuation (../shared/models/README.md), streamed and not; chat on
 # qwen3-q8_0 (ChatML); models.list; 400 as APIError; /metrics counts; a
 # client that aborts a stream gets its request cancelled.
-# Exit 77 (skip) when node/npm are missing or the client cannot be installed.
+# node/npm missing or the client not installable: the test fails (scripts/install-deps.sh installs node).
 set -euo pipefail
 : "${KVASIR_BIN:?}" "${KVASIR_SHARED:?}" "${KVASIR_SRC:?}"
-command -v node >/dev/null && command -v npm >/dev/null || { echo "SKIP: node/npm not found"; exit 77; }
+command -v node >/dev/null && command -v npm >/dev/null || { echo "FAIL: node/npm not found: run scripts/install-deps.sh"; exit 1; }
 
 build=$(cd "$(dirname "$KVASIR_BIN")" && pwd)
 npm_dir="$build/npm"
 if [ ! -f "$npm_dir/node_modules/openai/package.json" ]; then
     mkdir -p "$npm_dir"
     if ! timeout 180 npm install --silent --no-audit --no-fund --prefix "$npm_dir" openai@4 >"$npm_dir/install.log" 2>&1; then
-        echo "SKIP: npm install openai@4 failed:"; tail -5 "$npm_dir/install.log"; exit 77
+        echo "FAIL: npm install openai@4 failed:"; tail -5 "$npm_dir/install.log"; exit 1
     fi
 fi
 

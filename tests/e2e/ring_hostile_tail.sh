@@ -7,7 +7,7 @@
 # The head survives each and answers /health.
 set -euo pipefail
 BIN=${KVASIR_BIN:?}; M=${KVASIR_SHARED:?}/models/aidreams260K.gguf
-command -v python3 >/dev/null && command -v curl >/dev/null || { echo "python3/curl missing: skip"; exit 77; }
+command -v python3 >/dev/null && command -v curl >/dev/null || { echo "FAIL: python3/curl missing: run scripts/install-deps.sh"; exit 1; }
 here=$(cd "$(dirname "$0")" && pwd)
 free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 T=$(mktemp -d)

@@ -15,7 +15,7 @@ set -uo pipefail
 BIN=${KVASIR_BIN:?}
 M=${KVASIR_SHARED:?}/models/aidreams260K.gguf
 L=$KVASIR_SHARED/models/llama-f32.gguf
-[[ -f $M && -f $L ]] || { echo "skip: missing $M or $L"; exit 77; }
+[[ -f $M && -f $L ]] || { echo "FAIL: missing $M or $L"; exit 1; }
 tmp=$(mktemp -d)
 pids=()
 cleanup() {

@@ -7,7 +7,7 @@
 # counted only the latest, and such a ring never became ready).
 set -euo pipefail
 BIN=${KVASIR_BIN:?}; M=${KVASIR_SHARED:?}/models/aidreams260K.gguf
-command -v python3 >/dev/null || { echo "python3 missing: skip"; exit 77; }
+command -v python3 >/dev/null || { echo "FAIL: python3 missing: run scripts/install-deps.sh"; exit 1; }
 here=$(cd "$(dirname "$0")" && pwd)
 free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 P0=$(free_port); P1=$(free_port); PX=$(free_port)

@@ -4,7 +4,7 @@
 # the llama.cpp reference continuation (../shared/models/README.md).
 set -euo pipefail
 BIN=${KVASIR_BIN:?}; M=${KVASIR_SHARED:?}/models/aidreams260K.gguf
-command -v curl >/dev/null || { echo "curl missing: skip"; exit 77; }
+command -v curl >/dev/null || { echo "FAIL: curl missing: run scripts/install-deps.sh"; exit 1; }
 free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])' 2>/dev/null \
   || echo $((20000 + RANDOM % 20000)); }
 P0=$(free_port); P1=$(free_port); PA=$(free_port)
