@@ -162,6 +162,27 @@ int kvs_cli_plan(int argc, char **argv)
         }
         inv->relay_secret_len = n;
     }
+    { /* A device without "addr" gets 127.0.0.1:(7001 + rank): fine when every stage runs on one
+       * machine, wrong as soon as another device has a real address. */
+        size_t with = 0, direct = 0; /* relay-only devices (accepts_inbound false) need no addr */
+        char without[512] = "";
+        for (size_t i = 0; i < inv->n_devices; i++) {
+            if (!inv->devices[i].accepts_inbound) continue;
+            direct++;
+            if (inv->devices[i].addr[0]) {
+                with++;
+            } else {
+                size_t k = strlen(without);
+                snprintf(without + k, sizeof without - k, "%s'%s'", k ? ", " : "", inv->devices[i].name);
+            }
+        }
+        if (with > 0 && with < direct)
+            fprintf(stderr,
+                    "kvasir plan: warning: %zu of %zu devices have an \"addr\" but %s %s none: their ranks will "
+                    "listen on 127.0.0.1 and the others will dial 127.0.0.1 to reach them. Give every device its "
+                    "\"addr\" (host:port that the others can reach: docs/DEPLOY.md)\n",
+                    with, direct, without, direct - with == 1 ? "has" : "have");
+    }
     if ((e = kvs_plan_solve(m, inv, &t, res, err, sizeof err))) {
         fprintf(stderr, "kvasir plan: %s: %s\n", kvs_strerror(e), err);
         goto done;

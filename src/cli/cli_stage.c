@@ -23,7 +23,8 @@
 static void stage_usage(FILE *f)
 {
     fprintf(f, "usage: kvasir stage -m MODEL --window BEGIN:END --listen HOST:PORT --next HOST:PORT [options]\n"
-               "       kvasir stage --manifest ring.json --rank R [options]\n"
+               "       kvasir stage --manifest ring.json --rank R [-m PATH|URL] [options]\n"
+               "  (-m beside --manifest: this machine's copy of the model; default the manifest's path)\n"
                "  a window of the whole model is a one-stage ring: it samples itself, no --next needed\n"
                "  --threads T          compute threads (default: the cores this process may use)\n"
                "  --ctx N              positions per sequence (default model's, <= 4096; all stages equal)\n"
@@ -179,6 +180,9 @@ int kvs_cli_stage(int argc, char **argv)
             return 1;
         }
         struct kvs_stage_params cli = p;
+        /* -m PATH: the model file on this machine; the manifest's path (the planning machine's) is
+         * only the default. */
+        if (cli.model_path) snprintf(man->model_path, sizeof man->model_path, "%s", cli.model_path);
         e = kvs_stage_params_from_manifest(man, (int32_t)rank, &p);
         if (ctx_set) p.n_ctx = cli.n_ctx;
         if (seqs_set) p.n_seq = cli.n_seq;
@@ -187,7 +191,8 @@ int kvs_cli_stage(int argc, char **argv)
             if (e == KVS_ERR_NOT_FOUND)
                 fprintf(stderr, "kvasir stage: rank %ld is not in %s (%zu ranks)\n", rank, manifest, man->n_ranks);
             else
-                fprintf(stderr, "kvasir stage: %s names no local model path\n", manifest);
+                fprintf(stderr, "kvasir stage: %s names no local model path%s%s: give -m PATH (or -m URL)\n",
+                        manifest, man->model_url[0] ? ", only the URL " : "", man->model_url);
             free(man);
             return 2;
         }

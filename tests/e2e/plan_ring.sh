@@ -150,8 +150,18 @@ grep -q "\"path\": \"$(realpath "$model")\"" "$dir/rel.json" ||
 # --- the ring itself ---------------------------------------------------------
 # Ranks 3..1 serve; rank 0 (the head) is a client of its own ring: it waits
 # for the ring to close, runs the prompt greedily and prints the text.
+# `-m PATH` beside --manifest is the model this machine opens (the manifest's path is only a
+# default): rank 3 opens a copy under another name; a path that does not exist is named.
+cp "$model" "$dir/elsewhere.gguf"
+set +e
+timeout 20 "$KVASIR_BIN" stage --manifest "$dir/ring.json" --rank 3 -m "$dir/missing.gguf" >/dev/null 2>"$dir/missing.err"
+rc=$?
+set -e
+[ "$rc" != 0 ] && grep -q "missing.gguf" "$dir/missing.err" ||
+    { echo "--manifest with -m MISSING: rc $rc: $(cat "$dir/missing.err")"; exit 1; }
 for r in 3 2 1; do
-    "$KVASIR_BIN" stage --manifest "$dir/ring.json" --rank "$r" 2>"$dir/stage$r.err" &
+    if [ "$r" = 3 ]; then extra=(-m "$dir/elsewhere.gguf"); else extra=(); fi
+    "$KVASIR_BIN" stage --manifest "$dir/ring.json" --rank "$r" "${extra[@]}" 2>"$dir/stage$r.err" &
     pids+=("$!")
 done
 expected=$(grep -o '"text":"[^"]*"' "$ref" | sed -e 's/^"text":"//' -e 's/"$//')
