@@ -893,6 +893,9 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
     }
 }
 
+/* microhttpd's log callback: fmt is its printf format (format attribute: the
+ * compiler checks the use of ap, and -Wformat-nonliteral knows fmt is one). */
+static void on_mhd_log(void *cls, const char *fmt, va_list ap) __attribute__((format(printf, 2, 0)));
 static void on_mhd_log(void *cls, const char *fmt, va_list ap)
 {
     char msg[512];

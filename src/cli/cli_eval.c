@@ -65,6 +65,7 @@ int kvs_cli_eval(int argc, char **argv)
             eval_usage(stderr);
             return 2;
         }
+        i++; /* v is this option's value */
         int bad = 0;
         if (!strcmp(a, "-m") || !strcmp(a, "--model"))
             model_path = v;
@@ -85,7 +86,6 @@ int kvs_cli_eval(int argc, char **argv)
             fprintf(stderr, "kvasir eval: bad value for %s: %s\n", a, v);
             return 2;
         }
-        i++;
     }
     if (!model_path || !tokens) {
         eval_usage(stderr);

@@ -69,6 +69,7 @@ int kvs_cli_serve(int argc, char **argv)
             serve_usage(stderr);
             return 2;
         }
+        i++; /* v is this option's value */
         int bad = 0;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
         else if (!strcmp(a, "--ring")) bad = kvs_cli_parse_long(v, 1, 1024, &ring);
@@ -94,7 +95,6 @@ int kvs_cli_serve(int argc, char **argv)
             fprintf(stderr, "kvasir serve: bad value for %s: %s\n", a, v);
             return 2;
         }
-        i++;
     }
     if (!model) {
         fprintf(stderr, "kvasir serve: -m MODEL is required\n");
