@@ -35,7 +35,9 @@ void kvs_st_tail_begin(struct kvs_stage *s, struct seq *q, const struct kvs_req_
 /* Tail: sample from logits for request q whose token will sit at pos; send TOKEN. */
 void kvs_st_tail_sample(struct kvs_stage *s, struct seq *q, const float *logits, int32_t pos)
 {
-    int32_t id = kvs_sampler_sample(q->smp, logits);
+    /* The draw is U(seed, pos) (docs/PROTOCOL.md §3.5.1): the frame's position, not a count of
+     * what this tail has seen, so a replayed request draws the same token here. */
+    int32_t id = kvs_sampler_sample_at(q->smp, logits, pos >= 0 ? (uint64_t)pos : 0);
     uint32_t finish = KVS_FINISH_NONE;
     bool is_stop = false;
     for (uint32_t i = 0; i < q->n_stop; i++) is_stop |= q->stop[i] == id;
