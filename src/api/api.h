@@ -48,6 +48,11 @@ struct kvs_api_params {
     size_t max_body;         /* request body cap in bytes (default 1 MiB) -> 413 above it */
     int32_t max_connections; /* concurrent connections (default 64) */
     int32_t stage_index;     /* label of this stage in /metrics (default 0) */
+    const char *api_key;     /* NULL: open. Else (copied; 1..255 bytes of visible ASCII) every /v1/ route
+                              * (and unknown routes) needs "Authorization: Bearer API_KEY": without it
+                              * 401 with OpenAI's error shape, code "invalid_api_key" */
+    bool auth_all;           /* with api_key: /health and /metrics need it too (default: they stay
+                              * open, for load balancers and Prometheus on a private network) */
 };
 struct kvs_api_params kvs_api_default_params(void);
 

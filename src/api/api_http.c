@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -43,6 +44,7 @@ struct kvs_api {
     uint64_t next_id;
     uint64_t id_salt;
     struct kvs_api_metrics met;
+    char api_key[256]; /* "" = no key */
 };
 
 static int64_t now_ns(void)
@@ -760,7 +762,46 @@ struct conn_ctx {
     size_t len, cap;
     size_t dropped;
     bool too_big;
+    bool unauthorized; /* no or a wrong API key: the body is dropped, the answer is 401 */
 };
+
+/* True when the request carries "Authorization: Bearer KEY" (RFC 6750 §2.1)
+ * with the API key. Compared in time independent of where they differ. */
+static bool authorized(const struct kvs_api *a, struct MHD_Connection *c)
+{
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!h || strncasecmp(h, "Bearer ", 7)) return false;
+    h += 7;
+    while (*h == ' ') h++;
+    size_t n = strlen(h), k = strlen(a->api_key);
+    unsigned diff = n != k;
+    for (size_t i = 0; i < k; i++) diff |= (unsigned char)a->api_key[i] ^ (unsigned char)(i < n ? h[i] : 0);
+    return diff == 0;
+}
+
+static enum MHD_Result send_unauthorized(struct kvs_api *a, struct MHD_Connection *c)
+{
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    struct kvs_api_error e;
+    if (!h)
+        kvs_api_error_set(&e, 401, "invalid_request_error", NULL, "invalid_api_key",
+                          "You didn't provide an API key: send it as \"Authorization: Bearer KEY\"");
+    else
+        kvs_api_error_set(&e, 401, "invalid_request_error", NULL, "invalid_api_key", "Incorrect API key provided");
+    count_status(a, KVS_API_STATUS_INVALID);
+    char *s = kvs_api_error_json(&e);
+    if (!s) return MHD_NO;
+    struct MHD_Response *r = MHD_create_response_from_buffer(strlen(s), s, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(s);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", "application/json");
+    MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
+    enum MHD_Result ret = MHD_queue_response(c, 401, r);
+    MHD_destroy_response(r);
+    return ret;
+}
 
 enum route { ROUTE_NONE, ROUTE_COMPLETIONS, ROUTE_CHAT, ROUTE_MODELS, ROUTE_HEALTH, ROUTE_METRICS };
 
@@ -798,6 +839,11 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         cc = calloc(1, sizeof *cc);
         if (!cc) return MHD_NO;
         *con_cls = cc;
+        bool open = rt == ROUTE_HEALTH || rt == ROUTE_METRICS;
+        if (a->api_key[0] && (!open || a->p.auth_all) && !authorized(a, c)) {
+            cc->unauthorized = true;
+            return MHD_YES; /* answered once the body is in (dropped, not kept) */
+        }
         if (rt == ROUTE_NONE || (post && strcmp(method, "POST")) || (!post && strcmp(method, "GET") && strcmp(method, "HEAD")))
             return MHD_YES; /* answered once the body (if any) is read */
         const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
@@ -820,6 +866,11 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         return MHD_YES;
     }
     if (*upload_size) {
+        if (cc->unauthorized) {
+            cc->dropped += *upload_size;
+            *upload_size = 0;
+            return cc->dropped / DRAIN_FACTOR > a->p.max_body ? MHD_NO : MHD_YES;
+        }
         if (cc->too_big) {
             cc->dropped += *upload_size;
             if (cc->dropped / DRAIN_FACTOR > a->p.max_body) return MHD_NO; /* stop reading: close */
@@ -844,6 +895,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         return MHD_YES;
     }
     /* the whole request is in */
+    if (cc->unauthorized) return send_unauthorized(a, c);
     if (rt == ROUTE_NONE) {
         char msg[200];
         snprintf(msg, sizeof msg, "unknown route %.100s %.60s", method, url);
@@ -945,6 +997,18 @@ kvs_err kvs_api_start(struct kvs_stage *head, const struct kvs_api_params *p, st
     a->head = head;
     a->tok = kvs_stage_tokenizer(head);
     a->p = *p;
+    if (p->api_key) {
+        size_t kl = strlen(p->api_key);
+        bool ok = kl >= 1 && kl < sizeof a->api_key;
+        for (size_t i = 0; ok && i < kl; i++) ok = p->api_key[i] > ' ' && p->api_key[i] < 127;
+        if (!ok) {
+            free(a);
+            if (errbuf && errlen) snprintf(errbuf, errlen, "an API key must be 1..255 bytes of visible ASCII");
+            return KVS_ERR_ARG;
+        }
+        memcpy(a->api_key, p->api_key, kl + 1);
+    }
+    a->p.api_key = NULL; /* the copy above is the one used */
     if (!a->p.bind_addr) a->p.bind_addr = "127.0.0.1";
     pthread_mutex_init(&a->mu, NULL);
     kvs_api_metrics_init(&a->met);

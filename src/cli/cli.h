@@ -27,6 +27,7 @@ int kvs_cli_seed(int argc, char **argv);     /* HTTP file server with ranges */
 int kvs_cli_plan(int argc, char **argv);     /* rank manifest from devices */
 int kvs_cli_bench(int argc, char **argv);    /* bench --probe */
 int kvs_cli_relay(int argc, char **argv);    /* WebSocket relay for ring edges */
+int kvs_cli_key(int argc, char **argv);      /* key gen | key show */
 
 /* Option values. kvs_cli_parse_long reads a whole decimal integer in [lo, hi];
  * kvs_cli_parse_float a whole finite float (not NaN, not infinity). Both return 0 and set *out,
@@ -111,6 +112,12 @@ int kvs_cli_model_args(const char *who, int *argc, char **argv, struct kvs_cli_m
 /* 0 when g holds the whole model (a full GGUF, or a shard of every block);
  * else prints to stderr that PATH is a stage shard, which window it holds
  * and how to serve it, and returns 1. who names the subcommand. */
+/* The head's API key from --api-key KEY or --api-key-file FILE (its first
+ * line, the newline stripped; one of the two at most) into buf[cap] ("" when
+ * neither). Returns 0, or -1 after printing why (both given, unreadable
+ * file, empty key, spaces or control bytes in it, over 255 bytes). */
+int kvs_cli_api_key(const char *key, const char *file, char *buf, size_t cap, const char *who);
+
 struct kvs_gguf;
 int kvs_cli_need_whole_model(const struct kvs_gguf *g, const char *who, const char *path);
 

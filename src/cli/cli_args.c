@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <sched.h>
 #include <math.h>
+#include <stdbool.h>
 #include <string.h>
 #include <stdlib.h>
 #include <sys/random.h>
@@ -113,4 +114,36 @@ void kvs_cli_print_summary(const struct kvs_cli_summary *s)
         line[sizeof line - 1] = '\0';
     }
     fputs(line, stderr);
+}
+
+int kvs_cli_api_key(const char *key, const char *file, char *buf, size_t cap, const char *who)
+{
+    buf[0] = '\0';
+    if (key && file) {
+        fprintf(stderr, "kvasir %s: give --api-key or --api-key-file, not both\n", who);
+        return -1;
+    }
+    if (!key && !file) return 0;
+    if (file) {
+        FILE *f = fopen(file, "re");
+        if (!f) {
+            fprintf(stderr, "kvasir %s: cannot read --api-key-file %s: %s\n", who, file, strerror(errno));
+            return -1;
+        }
+        if (!fgets(buf, (int)cap, f)) buf[0] = '\0';
+        fclose(f);
+        size_t n = strlen(buf);
+        while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r')) buf[--n] = '\0';
+    } else {
+        snprintf(buf, cap, "%s", key);
+    }
+    size_t n = strlen(buf);
+    bool ok = n >= 1 && n <= 255;
+    for (size_t i = 0; ok && i < n; i++) ok = buf[i] > ' ' && buf[i] < 127;
+    if (!ok) {
+        fprintf(stderr, "kvasir %s: an API key must be 1..255 bytes of visible ASCII (no spaces)\n", who);
+        buf[0] = '\0';
+        return -1;
+    }
+    return 0;
 }

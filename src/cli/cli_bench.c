@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "trust/trust.h"
 
 static double now_s(void)
 {
@@ -106,12 +107,13 @@ static uint64_t mem_available(void)
 
 static void bench_usage(FILE *f)
 {
-    fprintf(f, "usage: kvasir bench --probe [--name NAME] [--threads N] [--mib M] [--addr HOST:PORT]\n"
+    fprintf(f, "usage: kvasir bench --probe [--name NAME] [--threads N] [--mib M] [--addr HOST:PORT] [--key FILE]\n"
                "  prints a device object for the planner's inventory (docs/PLAN.md)\n"
                "  --threads N  threads to stream and compute with (default: online CPUs)\n"
                "  --mib M      buffer to stream, MiB (default 512)\n"
                "  --addr HOST:PORT  where this device's stage will listen (the manifest's listen/next)\n"
                "  --name NAME  the device's name in the inventory (default: the host name)\n"
+               "  --key FILE   this node's key (kvasir key gen): its public key goes into the entry as \"key\"\n"
                "Measured: mem_bytes (available memory), decode_gbps (read bandwidth), prefill_gflops.\n"
                "Not measured: rtt_ms 1.0, bandwidth_mbps 1000 and accepts_inbound true are defaults\n"
                "for a LAN; edit them for this device's network (a phone behind NAT: accepts_inbound\n"
@@ -137,7 +139,7 @@ static void json_str(FILE *f, const char *s)
 int kvs_cli_bench(int argc, char **argv)
 {
     bool probe = false;
-    const char *addr = NULL;
+    const char *addr = NULL, *key_path = NULL;
     char name[64];
     if (gethostname(name, sizeof name) != 0)
         snprintf(name, sizeof name, "this-machine");
@@ -173,6 +175,9 @@ int kvs_cli_bench(int argc, char **argv)
         } else if (!strcmp(a, "--addr") && v) {
             addr = v;
             i++;
+        } else if (!strcmp(a, "--key") && v) {
+            key_path = v;
+            i++;
         } else {
             fprintf(stderr, "kvasir bench: unknown option %s\n", a);
             bench_usage(stderr);
@@ -182,6 +187,20 @@ int kvs_cli_bench(int argc, char **argv)
     if (!probe) {
         bench_usage(stderr);
         return 2;
+    }
+    char key_hex[KVS_KEY_PUB_HEX + 1] = "";
+    if (key_path) { /* read first: a bad key file should not cost a measurement */
+        struct kvs_key *k;
+        char err[512];
+        kvs_err e = kvs_key_load(key_path, &k, err, sizeof err);
+        if (e) {
+            fprintf(stderr, "kvasir bench: %s (%s)\n", err, kvs_strerror(e));
+            return 1;
+        }
+        uint8_t pub[KVS_KEY_PUB_BYTES];
+        kvs_key_public(k, pub);
+        kvs_key_public_hex(pub, key_hex);
+        kvs_key_free(k);
     }
     size_t bytes = (size_t)mib << 20;
     size_t words = bytes / sizeof(uint64_t);
@@ -239,6 +258,7 @@ int kvs_cli_bench(int argc, char **argv)
         printf(", \"addr\": ");
         json_str(stdout, addr);
     }
+    if (key_hex[0]) printf(", \"key\": \"%s\"", key_hex);
     printf("}\n");
     fprintf(stderr, "kvasir bench: rtt_ms, bandwidth_mbps and accepts_inbound are LAN defaults, not measured: "
                     "edit them for this device's network (docs/PLAN.md)\n");

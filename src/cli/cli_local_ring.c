@@ -18,6 +18,7 @@
 #include "gguf/gguf.h"
 #include "link/link.h"
 #include "model/model.h"
+#include "trust/trust.h"
 
 /* A free loopback port (bound then released: another process could take it
  * before the stage binds it, which then fails loudly and ends the run). Drawn
@@ -96,7 +97,35 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
     }
     self[sl] = '\0';
 
-    char a_listen[64], a_next[64], a_win[64], a_thr[24], a_ctx[16], a_seq[16], a_delay[16];
+    /* throw-away keys: rank r's file for the children, every public key for the neighbours */
+    uint8_t(*pub)[KVS_KEY_PUB_BYTES] = NULL;
+    char(*pub_hex)[KVS_KEY_PUB_HEX + 1] = NULL;
+    bool keyed = !o->insecure && n > 1;
+    if (keyed) {
+        pub = calloc((size_t)n, sizeof *pub);
+        pub_hex = calloc((size_t)n, sizeof *pub_hex);
+        snprintf(lr->key_dir, sizeof lr->key_dir, "/tmp/kvasir-ring-keys-XXXXXX");
+        if (!pub || !pub_hex || !mkdtemp(lr->key_dir)) {
+            lr->key_dir[0] = '\0';
+            fprintf(stderr, "kvasir %s: cannot make a folder for the ring's keys\n", o->who);
+            goto fail_keys;
+        }
+        for (int r = 0; r < n; r++) {
+            struct kvs_key *k;
+            char path[128];
+            snprintf(path, sizeof path, "%s/rank%d.key", lr->key_dir, r);
+            if (kvs_key_generate(&k) || (r > 0 && kvs_key_save(k, path, err, sizeof err))) {
+                if (k) kvs_key_free(k);
+                fprintf(stderr, "kvasir %s: cannot make the ring's keys\n", o->who);
+                goto fail_keys;
+            }
+            kvs_key_public(k, pub[r]);
+            kvs_key_public_hex(pub[r], pub_hex[r]);
+            if (r == 0) lr->head_key = k;
+            else kvs_key_free(k);
+        }
+    }
+    char a_listen[64], a_next[64], a_win[64], a_thr[24], a_ctx[16], a_seq[16], a_delay[16], a_key[128];
     for (int r = 1; r < n; r++) {
         int b = (int)((long)r * hp.n_block / n), en = (int)((long)(r + 1) * hp.n_block / n);
         snprintf(a_listen, sizeof a_listen, "127.0.0.1:%d", lr->ports[r]);
@@ -109,20 +138,35 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
         /* run --ring: the stage processes log warnings and errors only, unless the user chose a
          * level (KVASIR_LOG, -v, --log-level: inherited through the environment). */
         const bool quiet = !strcmp(o->who, "run") && !getenv("KVASIR_LOG");
-        char *args[] = { self, "stage", "-m", (char *)o->model, "--window", a_win, "--listen", a_listen,
-                         "--next", a_next, "--threads", a_thr, "--ctx", a_ctx, "--seqs", a_seq,
-                         "--boundary", o->boundary_f32 ? "f32" : "f16", "--log-level", quiet ? "warn" : "info",
-                         o->step_delay_ms ? "--step-delay" : NULL, a_delay, NULL };
-        if (!quiet) { /* no --log-level: the environment's level */
-            args[18] = args[20];
-            args[19] = args[20] ? args[21] : NULL;
-            args[20] = NULL;
+        snprintf(a_key, sizeof a_key, "%s/rank%d.key", lr->key_dir, r);
+        char *args[32] = { self, "stage", "-m", (char *)o->model, "--window", a_win, "--listen", a_listen,
+                           "--next", a_next, "--threads", a_thr, "--ctx", a_ctx, "--seqs", a_seq,
+                           "--boundary", o->boundary_f32 ? "f32" : "f16" };
+        int na = 18;
+        if (quiet) { /* else no --log-level: the environment's level */
+            args[na++] = "--log-level";
+            args[na++] = "warn";
         }
+        if (keyed) {
+            args[na++] = "--key";
+            args[na++] = a_key;
+            args[na++] = "--prev-key";
+            args[na++] = pub_hex[r - 1];
+            args[na++] = "--next-key";
+            args[na++] = pub_hex[(r + 1) % n];
+        } else {
+            args[na++] = "--insecure";
+        }
+        if (o->step_delay_ms) {
+            args[na++] = "--step-delay";
+            args[na++] = a_delay;
+        }
+        args[na] = NULL;
         fflush(NULL);
         pid_t pid = fork();
         if (pid < 0) {
             fprintf(stderr, "kvasir %s: fork: %s\n", o->who, strerror(errno));
-            goto fail;
+            goto fail_keys;
         }
         if (pid == 0) {
             prctl(PR_SET_PDEATHSIG, SIGTERM);
@@ -145,7 +189,19 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
     head->n_seq = (int32_t)o->seqs;
     head->boundary_f32 = o->boundary_f32;
     head->step_delay_ms = (int32_t)o->step_delay_ms;
+    head->insecure = !keyed;
+    if (keyed) {
+        head->key = lr->head_key;
+        head->has_prev_key = head->has_next_key = true;
+        memcpy(head->prev_key, pub[n - 1], KVS_KEY_PUB_BYTES);
+        memcpy(head->next_key, pub[1], KVS_KEY_PUB_BYTES);
+    }
+    free(pub);
+    free(pub_hex);
     return 0;
+fail_keys:
+    free(pub);
+    free(pub_hex);
 fail:
     kvs_local_ring_stop(lr);
     return 1;
@@ -186,6 +242,17 @@ void kvs_local_ring_stop(struct kvs_local_ring *lr)
             lr->pids[i] = 0;
         }
     }
+    if (lr->key_dir[0]) {
+        for (int r = 1; r < lr->n; r++) {
+            char path[128];
+            snprintf(path, sizeof path, "%s/rank%d.key", lr->key_dir, r);
+            unlink(path);
+        }
+        rmdir(lr->key_dir);
+        lr->key_dir[0] = '\0';
+    }
+    kvs_key_free(lr->head_key);
+    lr->head_key = NULL;
     free(lr->ports);
     free(lr->pids);
     lr->ports = NULL;

@@ -408,7 +408,8 @@ static void ring_usage(FILE *f)
                "                       half the traffic). F16 rounds the hidden state at every hop, so\n"
                "                       greedy output can differ from a single process where the top\n"
                "                       logits are close (typical of random-weight test models); f32 is\n"
-               "                       bit-identical to a single process (docs/PROTOCOL.md section 5)\n");
+               "                       bit-identical to a single process (docs/PROTOCOL.md section 5)\n"
+               "  --insecure           plaintext links (default: throw-away node keys, TLS on every link)\n");
 }
 
 bool kvs_ring_client_opt(const char *a, const char *v, struct kvs_ring_client_opts *co, int *bad)
@@ -445,7 +446,7 @@ int kvs_cli_run_ring(int argc, char **argv)
     co.sp.seed = kvs_cli_random_seed(); /* --seed S or -1 overrides */
     const char *model = NULL;
     long ring = 0, threads = 0, n_ctx = 0, seqs = 0; /* threads 0: the cores shared by the stages */
-    bool f32 = false;
+    bool f32 = false, insecure = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -454,6 +455,10 @@ int kvs_cli_run_ring(int argc, char **argv)
         }
         if (!strcmp(a, "--ignore-eos")) {
             co.ignore_eos = true;
+            continue;
+        }
+        if (!strcmp(a, "--insecure")) {
+            insecure = true;
             continue;
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -501,7 +506,8 @@ int kvs_cli_run_ring(int argc, char **argv)
     struct kvs_local_ring lr;
     struct kvs_stage_params sp = kvs_stage_default_params();
     struct kvs_local_ring_opts lo = { .who = "run", .model = model, .n = (int)ring, .threads = threads,
-                                      .n_ctx = n_ctx, .seqs = seqs, .boundary_f32 = f32, .child_mask = &old };
+                                      .n_ctx = n_ctx, .seqs = seqs, .boundary_f32 = f32, .insecure = insecure,
+                                      .child_mask = &old };
     struct kvs_stage *head = NULL;
     int rc = kvs_local_ring_start(&lo, &lr, &sp);
     if (rc) goto done;

@@ -44,6 +44,7 @@ struct kvs_local_ring_opts {
     bool allow_solo;          /* n = 1: the head holds every block, no child, no link (serve) */
     long threads, n_ctx, seqs, step_delay_ms;
     bool boundary_f32;
+    bool insecure;            /* plaintext links (--insecure); otherwise throw-away keys, TLS on every link */
     const sigset_t *child_mask; /* signal mask the children start with (NULL: inherited) */
 };
 
@@ -53,18 +54,22 @@ struct kvs_local_ring {
     int *ports;               /* [n] loopback ports, rank order */
     pid_t *pids;              /* [n] child pids; [0] (the head, in this process) is 0 */
     char head_listen[64], head_next[64];
+    struct kvs_key *head_key; /* rank 0's throw-away key (NULL: insecure or one stage) */
+    char key_dir[64];         /* mode-0700 folder of the children's throw-away key files, "" if none */
 };
 
 /* Starts ranks 1..n-1 as child `kvasir stage` processes (this binary) with
  * an even split of the model's blocks on free loopback ports, and fills the
  * head's (rank 0) window, addresses and settings into *head (strings point
- * into lr and o). Returns 0, or an exit code (1 runtime, 2 usage) after
+ * into lr and o). Unless o->insecure, every rank gets a throw-away node key
+ * (the children's in files under lr->key_dir) and the neighbours' public
+ * keys, so every link is TLS between known keys. Returns 0, or an exit code (1 runtime, 2 usage) after
  * printing the error and stopping what it started. */
 int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_ring *lr,
                          struct kvs_stage_params *head);
 /* Reaps children that exited (logging each); returns how many did. */
 int kvs_local_ring_poll_children(struct kvs_local_ring *lr);
-/* SIGTERM to every child, reaped within 3 s (then SIGKILL); frees lr's arrays. */
+/* SIGTERM to every child, reaped within 3 s (then SIGKILL); frees lr's arrays, key and key files. */
 void kvs_local_ring_stop(struct kvs_local_ring *lr);
 
 /* `kvasir run --ring N ...` (called from kvs_cli_run). */

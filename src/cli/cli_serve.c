@@ -40,7 +40,12 @@ static void serve_usage(FILE *f)
                "  --seqs S             sequence slots per stage (default 4)\n"
                "  --boundary f16|f32   boundary precision on the links (default f16)\n"
                "  --max-body BYTES     request body cap (default 1048576)\n"
-               "  --max-connections N  concurrent HTTP connections (default 64; more are refused)\n");
+               "  --max-connections N  concurrent HTTP connections (default 64; more are refused)\n"
+               "  --insecure           plaintext ring links (default: throw-away node keys, TLS on every link)\n"
+               "  --api-key KEY        require \"Authorization: Bearer KEY\" on /v1/* (401 otherwise);\n"
+               "                       /health and /metrics stay open unless --auth-all\n"
+               "  --api-key-file FILE  the same, KEY read from FILE's first line (keeps it out of ps)\n"
+               "  --auth-all           with an API key: /health and /metrics need it too\n");
     /* --step-delay MS (sleep before every forward on every stage) is a test hook: not listed */
     fputs(KVS_CLI_MODEL_URL_HELP, f);
 }
@@ -56,12 +61,17 @@ int kvs_cli_serve(int argc, char **argv)
 {
     const char *model = NULL, *host = "127.0.0.1", *name = NULL, *chat_template = NULL;
     long ring = 1, port = 8080, threads = 0, n_ctx = 0, seqs = 4, max_body = 1 << 20, delay = 0, max_conn = 64;
-    bool f32 = false;
+    bool f32 = false, insecure = false, auth_all = false;
+    const char *api_key = NULL, *api_key_file = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             serve_usage(stdout);
             return 0;
+        }
+        if (!strcmp(a, "--insecure") || !strcmp(a, "--auth-all")) {
+            *(!strcmp(a, "--insecure") ? &insecure : &auth_all) = true;
+            continue;
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
@@ -83,6 +93,8 @@ int kvs_cli_serve(int argc, char **argv)
         else if (!strcmp(a, "--max-body")) bad = kvs_cli_parse_long(v, 1024, 1L << 30, &max_body);
         else if (!strcmp(a, "--max-connections")) bad = kvs_cli_parse_long(v, 1, 65536, &max_conn);
         else if (!strcmp(a, "--step-delay")) bad = kvs_cli_parse_long(v, 0, 10000, &delay);
+        else if (!strcmp(a, "--api-key")) api_key = v;
+        else if (!strcmp(a, "--api-key-file")) api_key_file = v;
         else if (!strcmp(a, "--boundary")) {
             bad = strcmp(v, "f16") && strcmp(v, "f32");
             f32 = !strcmp(v, "f32");
@@ -99,6 +111,12 @@ int kvs_cli_serve(int argc, char **argv)
     if (!model) {
         fprintf(stderr, "kvasir serve: -m MODEL is required\n");
         serve_usage(stderr);
+        return 2;
+    }
+    char key_buf[512];
+    if (kvs_cli_api_key(api_key, api_key_file, key_buf, sizeof key_buf, "serve")) return 2;
+    if (auth_all && !key_buf[0]) {
+        fprintf(stderr, "kvasir serve: --auth-all needs --api-key or --api-key-file\n");
         return 2;
     }
 
@@ -121,7 +139,7 @@ int kvs_cli_serve(int argc, char **argv)
     struct kvs_stage_params sp = kvs_stage_default_params();
     struct kvs_local_ring_opts lo = { .who = "serve", .model = model, .n = (int)ring, .threads = threads,
                                       .n_ctx = n_ctx, .seqs = seqs, .step_delay_ms = delay,
-                                      .boundary_f32 = f32, .child_mask = &old, .allow_solo = true };
+                                      .boundary_f32 = f32, .insecure = insecure, .child_mask = &old, .allow_solo = true };
     int rc = sfd < 0 ? 1 : kvs_local_ring_start(&lo, &lr, &sp);
     if (rc) {
         if (sfd < 0) fprintf(stderr, "kvasir serve: cannot set up signals\n");
@@ -147,6 +165,8 @@ int kvs_cli_serve(int argc, char **argv)
     ap.chat_template = chat_template;
     ap.max_body = (size_t)max_body;
     ap.max_connections = (int32_t)max_conn;
+    ap.api_key = key_buf[0] ? key_buf : NULL;
+    ap.auth_all = auth_all;
     if ((e = kvs_api_start(head, &ap, &api, err, sizeof err))) {
         fprintf(stderr, "kvasir serve: API: %s (%s)\n", kvs_strerror(e), err);
         goto done;

@@ -19,6 +19,7 @@
 #include "plan/plan.h"
 #include "api/api.h"
 #include "stage/stage.h"
+#include "trust/trust.h"
 
 static void stage_usage(FILE *f)
 {
@@ -40,6 +41,13 @@ static void stage_usage(FILE *f)
                "  --api PORT           OpenAI-compatible HTTP API on the head (as `kvasir serve`)\n"
                "  --api-host ADDR      IPv4 address the API listens on (default 127.0.0.1; 0.0.0.0 = all)\n"
                "  --chat-template NAME chatml | llama3 (default: the GGUF's, else ChatML)\n"
+               "  --api-key KEY | --api-key-file FILE   the API needs \"Authorization: Bearer KEY\" on /v1/*\n"
+               "  --auth-all           with an API key: /health and /metrics need it too\n"
+               "trust (docs/PROTOCOL.md 4): every link is TLS 1.3 between node keys (kvasir key gen)\n"
+               "  --key FILE           this node's key\n"
+               "  --prev-key HEX       the predecessor's public key (kvasir key show --public)\n"
+               "  --next-key HEX       the successor's public key (--manifest: both from its ranks[].key)\n"
+               "  --insecure           plaintext, unauthenticated links: only for debugging on one machine\n"
                "head only, as a client of its own ring:\n"
                "  -p TEXT | --prompts FILE ('-' = stdin)   -n N  --temp T  --top-k K  --top-p P  --min-p P\n"
                "  --repeat-penalty R  --seed S  --ignore-eos  --parallel P\n", KVS_STAGE_POOL_SPIN);
@@ -57,7 +65,7 @@ static void *stage_loop_thread(void *arg)
  * SIGINT/SIGTERM/SIGHUP on sfd, then stops the API before the stage (the API
  * needs the loop to finish its requests). */
 static int stage_serve_api(struct kvs_stage *s, const struct kvs_stage_params *p, const char *host, uint16_t port,
-                           const char *chat_template, int sfd)
+                           const char *chat_template, const char *api_key, bool auth_all, int sfd)
 {
     pthread_t th;
     if (pthread_create(&th, NULL, stage_loop_thread, s) != 0) {
@@ -69,6 +77,8 @@ static int stage_serve_api(struct kvs_stage *s, const struct kvs_stage_params *p
     ap.port = port;
     ap.model_path = p->model_path;
     ap.chat_template = chat_template;
+    ap.api_key = api_key[0] ? api_key : NULL;
+    ap.auth_all = auth_all;
     struct kvs_api *a = NULL;
     char err[256];
     kvs_err e = kvs_api_start(s, &ap, &a, err, sizeof err);
@@ -96,7 +106,9 @@ int kvs_cli_stage(int argc, char **argv)
                                        .t_start_ms = kvs_cli_now_ms() };
     co.sp = kvs_sampler_default_params();
     co.sp.seed = kvs_cli_random_seed(); /* --seed S or -1 overrides */
-    const char *manifest = NULL, *window = NULL, *api_host = "127.0.0.1", *chat_template = NULL;
+    const char *manifest = NULL, *window = NULL, *api_host = "127.0.0.1", *chat_template = NULL, *key_path = NULL;
+    const char *api_key = NULL, *api_key_file = NULL;
+    bool prev_set = false, next_set = false, auth_all = false;
     long rank = -1, lv = 0, api = 0;
     /* flags given on the command line override the manifest's targets */
     bool ctx_set = false, seqs_set = false, boundary_set = false;
@@ -108,6 +120,14 @@ int kvs_cli_stage(int argc, char **argv)
         }
         if (!strcmp(a, "--ignore-eos")) {
             co.ignore_eos = true;
+            continue;
+        }
+        if (!strcmp(a, "--insecure")) {
+            p.insecure = true;
+            continue;
+        }
+        if (!strcmp(a, "--auth-all")) {
+            auth_all = true;
             continue;
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -122,6 +142,16 @@ int kvs_cli_stage(int argc, char **argv)
         else if (!strcmp(a, "--listen")) p.listen = v;
         else if (!strcmp(a, "--next")) p.next = v;
         else if (!strcmp(a, "--manifest")) manifest = v;
+        else if (!strcmp(a, "--key")) key_path = v;
+        else if (!strcmp(a, "--api-key")) api_key = v;
+        else if (!strcmp(a, "--api-key-file")) api_key_file = v;
+        else if (!strcmp(a, "--prev-key")) {
+            bad = kvs_key_parse_public(v, p.prev_key) != KVS_OK;
+            p.has_prev_key = prev_set = !bad;
+        } else if (!strcmp(a, "--next-key")) {
+            bad = kvs_key_parse_public(v, p.next_key) != KVS_OK;
+            p.has_next_key = next_set = !bad;
+        }
         else if (!strcmp(a, "--rank")) bad = kvs_cli_parse_long(v, 0, 1 << 20, &rank);
         else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) {
             bad = kvs_cli_parse_long(v, 1, 512, &lv);
@@ -165,7 +195,8 @@ int kvs_cli_stage(int argc, char **argv)
         }
         i++;
     }
-    char err[1024];
+    char err[1024], key_buf[512];
+    if (kvs_cli_api_key(api_key, api_key_file, key_buf, sizeof key_buf, "stage")) return 2;
     struct kvs_manifest *man = NULL;
     if (manifest) {
         if (rank < 0) {
@@ -184,6 +215,8 @@ int kvs_cli_stage(int argc, char **argv)
          * only the default. */
         if (cli.model_path) snprintf(man->model_path, sizeof man->model_path, "%s", cli.model_path);
         e = kvs_stage_params_from_manifest(man, (int32_t)rank, &p);
+        if (prev_set) memcpy(p.prev_key, cli.prev_key, sizeof p.prev_key), p.has_prev_key = true;
+        if (next_set) memcpy(p.next_key, cli.next_key, sizeof p.next_key), p.has_next_key = true;
         if (ctx_set) p.n_ctx = cli.n_ctx;
         if (seqs_set) p.n_seq = cli.n_seq;
         if (boundary_set) p.boundary_f32 = cli.boundary_f32;
@@ -233,6 +266,36 @@ int kvs_cli_stage(int argc, char **argv)
         p.block_end = (int32_t)en;
     }
 
+    struct kvs_key *key = NULL;
+    if (key_path) {
+        kvs_err ke = kvs_key_load(key_path, &key, err, sizeof err);
+        if (ke) {
+            fprintf(stderr, "kvasir stage: %s (%s)\n", err, kvs_strerror(ke));
+            free(man);
+            return 1;
+        }
+        p.key = key;
+    }
+    /* A keyed manifest names this rank's key: the node's own key must be it. */
+    const char *want = man ? man->ranks[rank].key : "";
+    if (key && want[0]) {
+        uint8_t pub[KVS_KEY_PUB_BYTES];
+        char hex[KVS_KEY_PUB_HEX + 1];
+        kvs_key_public(key, pub);
+        kvs_key_public_hex(pub, hex);
+        if (strcmp(hex, want)) {
+            uint8_t w[KVS_KEY_PUB_BYTES];
+            char fh[KVS_KEY_FP_HEX + 1], fw[KVS_KEY_FP_HEX + 1];
+            kvs_key_fingerprint(pub, fh);
+            kvs_key_parse_public(want, w);
+            kvs_key_fingerprint(w, fw);
+            fprintf(stderr, "kvasir stage: %s is key %s but %s gives rank %ld key %s\n", key_path, fh, manifest,
+                    rank, fw);
+            free(man);
+            kvs_key_free(key);
+            return 2;
+        }
+    }
     sigset_t sigs, old;
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGINT);
@@ -259,13 +322,14 @@ int kvs_cli_stage(int argc, char **argv)
             fprintf(stderr, "kvasir stage: --api needs the head (window starting at 0)\n");
             rc = 2;
         } else {
-            rc = stage_serve_api(s, &p, api_host, (uint16_t)api, chat_template, sfd);
+            rc = stage_serve_api(s, &p, api_host, (uint16_t)api, chat_template, key_buf, auth_all, sfd);
         }
     } else {
         rc = kvs_stage_run(s) == KVS_OK ? 0 : 1;
     }
     kvs_stage_free(s);
     free(man);
+    kvs_key_free(key);
     if (sfd >= 0) close(sfd);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     return rc;

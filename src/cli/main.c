@@ -18,6 +18,7 @@ static const struct kvs_cli_command commands[] = {
     { "bench", "measure this machine (--probe) for the planner", kvs_cli_bench },
     { "eval", "evaluate token ids teacher-forced; JSON top-k per position", kvs_cli_eval },
     { "gguf", "inspect (info) or create (synth) GGUF files", kvs_cli_gguf },
+    { "key", "make (gen) or print (show) a node's identity key", kvs_cli_key },
     { "plan", "place a model's blocks on devices: write a rank manifest", kvs_cli_plan },
     { "relay", "WebSocket bridge for ring edges of stages behind NAT", kvs_cli_relay },
     { "run", "generate text from a prompt (one process, or a local ring)", kvs_cli_run },

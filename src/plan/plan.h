@@ -43,6 +43,7 @@ struct kvs_gguf;
 #define KVS_PLAN_NAME_MAX 64       /* device name, bytes incl. NUL */
 #define KVS_PLAN_ADDR_MAX 384      /* "host:port" or a relay URL with its token, bytes incl. NUL */
 #define KVS_PLAN_MANIFEST_VERSION 1
+#define KVS_PLAN_KEY_MAX 65        /* a node public key in hex (Ed25519: 64 digits), bytes incl. NUL */
 
 /* --- model profile ---------------------------------------------------------- */
 
@@ -118,6 +119,7 @@ struct kvs_plan_device {
     bool accepts_inbound;      /* false: relay-only (its hops add relay_rtt_ms) */
     uint32_t threads;          /* threads the stage should use (>= 1) */
     char addr[KVS_PLAN_ADDR_MAX]; /* "host:port" or "" (then 127.0.0.1:(7001+rank)) */
+    char key[KVS_PLAN_KEY_MAX];   /* node public key: 64 lowercase hex digits (`kvasir key show`), or "" */
 };
 
 /* A parsed inventory. */
@@ -246,6 +248,7 @@ struct kvs_manifest_rank {
     char listen[KVS_PLAN_ADDR_MAX];
     char next[KVS_PLAN_ADDR_MAX];
     uint32_t threads;
+    char key[KVS_PLAN_KEY_MAX]; /* the rank's node public key (64 lowercase hex digits), "" if absent */
 };
 struct kvs_manifest {
     char model_path[1024];      /* "" if null */

@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/hex.h"
+
 #define KVS_PLAN_MAX_JSON (16u * 1024 * 1024)
 
 static const char *const backend_names[KVS_PLAN_BACKEND_COUNT_] = { "cpu", "cuda", "metal", "vulkan", "opencl",
@@ -36,6 +38,22 @@ static bool copy_str(char *dst, size_t cap, json_t *v)
         return false;
     memcpy(dst, json_string_value(v), n);
     dst[n] = '\0';
+    return true;
+}
+
+/* Reads an optional node public key: absent or null -> "", else exactly 64
+ * hex digits (stored lower-case). False if malformed. */
+static bool opt_key(json_t *v, char out[KVS_PLAN_KEY_MAX])
+{
+    out[0] = '\0';
+    if (!v || json_is_null(v)) return true;
+    if (!json_is_string(v) || json_string_length(v) != KVS_PLAN_KEY_MAX - 1) return false;
+    const char *s = json_string_value(v);
+    for (size_t i = 0; i < KVS_PLAN_KEY_MAX - 1; i++) {
+        if (kvs_hex_value(s[i]) < 0) return false;
+        out[i] = (char)(s[i] >= 'A' && s[i] <= 'F' ? s[i] - 'A' + 'a' : s[i]);
+    }
+    out[KVS_PLAN_KEY_MAX - 1] = '\0';
     return true;
 }
 
@@ -139,6 +157,10 @@ static kvs_err parse_device(json_t *o, size_t idx, struct kvs_plan_device *d, ch
             kvs_plan_seterr(errbuf, errlen, "device '%s': \"addr\" must be \"host:port\" (port 1..65535)", nm);
             return KVS_ERR_FORMAT;
         }
+    }
+    if (!opt_key(json_object_get(o, "key"), d->key)) {
+        kvs_plan_seterr(errbuf, errlen, "device '%s': \"key\" must be a node public key: 64 hex digits", nm);
+        return KVS_ERR_FORMAT;
     }
     return KVS_OK;
 }
@@ -329,6 +351,7 @@ kvs_err kvs_plan_manifest_json(const struct kvs_plan_model *m, const struct kvs_
         json_object_set_new(o, "listen", json_string(listen));
         json_object_set_new(o, "next", json_string(next));
         json_object_set_new(o, "threads", json_integer(d->threads ? d->threads : 1));
+        json_object_set_new(o, "key", d->key[0] ? json_string(d->key) : json_null());
         json_object_set_new(o, "weights_bytes", json_integer((json_int_t)rk->weights_bytes));
         json_object_set_new(o, "kv_bytes", json_integer((json_int_t)rk->kv_bytes));
         json_object_set_new(o, "buffer_bytes", json_integer((json_int_t)rk->buffer_bytes));
@@ -504,7 +527,19 @@ kvs_err kvs_manifest_parse(const char *text, size_t len, struct kvs_manifest *mf
             }
             r->threads = (uint32_t)json_integer_value(thr);
         }
+        if (!opt_key(json_object_get(o, "key"), r->key)) {
+            kvs_plan_seterr(errbuf, errlen, "manifest: ranks[%zu].key must be a node public key: 64 hex digits", i);
+            goto out;
+        }
         mf->n_ranks = i + 1;
+    }
+    size_t n_keys = 0;
+    for (size_t i = 0; i < mf->n_ranks; i++) n_keys += mf->ranks[i].key[0] != '\0';
+    if (n_keys && n_keys != mf->n_ranks) {
+        kvs_plan_seterr(errbuf, errlen,
+                        "manifest: %zu of %zu ranks have a \"key\": a keyed ring needs every rank's key", n_keys,
+                        mf->n_ranks);
+        goto out;
     }
     if (at != mf->n_block) {
         kvs_plan_seterr(errbuf, errlen, "manifest: windows cover [0, %u) but the model has %u blocks", at,

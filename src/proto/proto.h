@@ -17,7 +17,7 @@
 #include "common/error.h"
 
 #define KVS_PROTO_MAGIC 0x5253564Bu        /* bytes "KVSR" read as a little-endian u32 */
-#define KVS_PROTO_VERSION 1u
+#define KVS_PROTO_VERSION 2u
 #define KVS_PROTO_HEADER_BYTES 24u
 #define KVS_PROTO_MAX_PAYLOAD (256u << 20) /* global cap on payload_len, bytes (§2) */
 #define KVS_PROTO_MAX_TOKENS 65536u        /* cap on n_tokens of any frame (§2) */

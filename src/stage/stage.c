@@ -123,6 +123,34 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
             goto fail;
         }
     }
+    if (!s->solo && p->key && p->insecure) {
+        snprintf(err, sizeof err, "a node key and --insecure exclude each other");
+        e = KVS_ERR_ARG;
+        goto fail;
+    }
+    if (!s->solo && !p->insecure && (!p->key || !p->has_prev_key || !p->has_next_key)) {
+        snprintf(err, sizeof err,
+                 "%s: every link is TLS between node keys: give this node's key (--key FILE, kvasir key gen) and "
+                 "both neighbours' public keys (--prev-key, --next-key, or a manifest with keys); --insecure "
+                 "runs plaintext links (debugging on one machine)",
+                 !p->key ? "no node key" : "a neighbour's key is missing");
+        e = KVS_ERR_ARG;
+        goto fail;
+    }
+    if (!s->solo && p->key) {
+        if ((e = kvs_tls_create(p->key, &s->tls, err, sizeof err))) goto fail;
+        uint8_t pub[KVS_KEY_PUB_BYTES];
+        char f0[KVS_KEY_FP_HEX + 1], f1[KVS_KEY_FP_HEX + 1], f2[KVS_KEY_FP_HEX + 1];
+        kvs_key_public(p->key, pub);
+        kvs_key_fingerprint(pub, f0);
+        kvs_key_fingerprint(p->prev_key, f1);
+        kvs_key_fingerprint(p->next_key, f2);
+        KVS_LOGI("links: TLS 1.3, this node's key %s, predecessor's %s, successor's %s", f0, f1, f2);
+    } else if (!s->solo) {
+        KVS_LOGW("links: plaintext and unauthenticated (--insecure): anyone who can reach this stage can feed or "
+                 "read it; for debugging on one machine only");
+    }
+    s->p.key = NULL; /* borrowed: kept in s->tls */
     if (s->is_head) {
         if ((e = kvs_tokenizer_load(s->g, &s->tok, err, sizeof err))) goto fail;
         int32_t nv = kvs_tokenizer_n_vocab(s->tok);
@@ -187,6 +215,7 @@ void kvs_stage_free(struct kvs_stage *s)
     kvs_link_close(s->in);
     kvs_link_close(s->out);
     kvs_listener_close(s->lst);
+    kvs_tls_free(s->tls);
     kvs_proto_decoder_free(s->in_dec);
     kvs_proto_decoder_free(s->out_dec);
     if (s->wake[0] >= 0) close(s->wake[0]);

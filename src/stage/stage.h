@@ -29,6 +29,7 @@
 #include "common/error.h"
 #include "sampler/sampler.h"
 #include "tokenizer/tokenizer.h"
+#include "trust/trust.h"
 
 struct kvs_stage_params {
     const char *model_path;   /* GGUF file (full model or a shard of it) */
@@ -54,6 +55,14 @@ struct kvs_stage_params {
                                * cores give them up as soon as their forward ends), -1 = the pool's
                                * long default (a stage with cores of its own), N > 0 = N. The
                                * KVASIR_SPIN environment variable overrides it (src/kernels/pool.c) */
+    /* Trust (docs/PROTOCOL.md §4, src/trust/trust.h). With a key, every link is TLS 1.3 and the
+     * neighbours must prove the keys named here (both required); a keyed stage never makes or
+     * accepts a plaintext link. Without a key a stage with links needs insecure. */
+    const struct kvs_key *key;      /* this node's key (borrowed during kvs_stage_create only) or NULL */
+    bool has_prev_key, has_next_key;
+    uint8_t prev_key[KVS_KEY_PUB_BYTES]; /* the predecessor's public key */
+    uint8_t next_key[KVS_KEY_PUB_BYTES]; /* the successor's public key */
+    bool insecure;                  /* plaintext, unauthenticated links: for debugging on one machine */
 };
 #define KVS_STAGE_POOL_SPIN 200
 struct kvs_stage_params kvs_stage_default_params(void);
@@ -193,7 +202,7 @@ struct kvs_manifest;
 /* Fills the model/window/link/threads fields of p from rank `rank` of a
  * manifest read by kvs_manifest_load, and n_ctx / n_seq / boundary_f32 from
  * its targets when present (strings borrowed from mf, which must outlive p's
- * use). Errors: KVS_ERR_NOT_FOUND (no such rank), KVS_ERR_ARG (the
+ * use), and the neighbours' keys (prev_key, next_key) when the manifest has keys. Errors: KVS_ERR_NOT_FOUND (no such rank), KVS_ERR_ARG (the
  * manifest names no local model path). */
 kvs_err kvs_stage_params_from_manifest(const struct kvs_manifest *mf, int32_t rank, struct kvs_stage_params *p);
 

@@ -25,6 +25,7 @@
 #include "proto/proto.h"
 #include "sampler/sampler.h"
 #include "stage/stage.h"
+#include "trust/trust.h"
 #include "tokenizer/tokenizer.h"
 
 #define MAX_PENDING_LINKS 4  /* accepted connections waiting for their HELLO */
@@ -87,6 +88,7 @@ struct kvs_stage {
     uint32_t n_eog;
 
     struct kvs_listener *lst;
+    struct kvs_tls *tls;          /* NULL: --insecure (plaintext links) or a one-stage ring */
     struct pending_link pend[MAX_PENDING_LINKS];
     struct kvs_link *in;
     struct kvs_proto_decoder *in_dec;
@@ -94,6 +96,7 @@ struct kvs_stage {
     struct kvs_link *out;
     struct kvs_proto_decoder *out_dec;
     enum out_state out_state;
+    bool out_hello_sent;          /* OUT_HANDSHAKE: HELLO written (over TLS: once the TLS handshake is done) */
     int64_t out_next_dial, out_since, out_last_write;
     int out_attempt;
     bool out_warned;

@@ -198,6 +198,9 @@ void kvs_st_accept_new(struct kvs_stage *s)
         struct kvs_link *l;
         kvs_err e = kvs_tcp_accept(s->lst, &l);
         if (e) return;
+        /* TLS first (PROTOCOL.md §4): nothing of the peer's is read as a frame
+         * before it proved the predecessor's key */
+        if (s->tls && kvs_tls_wrap(s->tls, l, KVS_TLS_ACCEPTOR, s->p.prev_key, &l)) return;
         int slot = -1;
         for (int i = 0; i < MAX_PENDING_LINKS; i++)
             if (!s->pend[i].l) slot = i;
@@ -228,7 +231,18 @@ void kvs_st_pend_read(struct kvs_stage *s, struct pending_link *pl)
     kvs_err e = kvs_link_read(pl->l, buf, sizeof buf, &got);
     if (e == KVS_ERR_NEED_MORE) return;
     if (e) {
-        KVS_LOGD("pending link from %s closed before its HELLO", pl->l->peer);
+        const char *why = kvs_tls_error(pl->l);
+        /* A peer with another key is a configuration error or a stranger:
+         * logged, but not kept as the ring's refusal (anyone can dial) */
+        if (why && e == KVS_ERR_MISMATCH) {
+            KVS_LOGW("refusing predecessor: %s", why);
+            kvs_st_met_add(s, &s->met.frames_rejected, 1);
+        } else if (why) {
+            KVS_LOGW("closing link from %s: %s", pl->l->peer, why);
+            kvs_st_met_add(s, &s->met.frames_rejected, 1);
+        } else {
+            KVS_LOGD("pending link from %s closed before its HELLO", pl->l->peer);
+        }
         kvs_st_pend_close(pl);
         return;
     }
@@ -252,6 +266,15 @@ void kvs_st_pend_read(struct kvs_stage *s, struct pending_link *pl)
         kvs_err ce = KVS_ERR_FORMAT;
         char rmsg[256];
         bool hello = f->h.kind == KVS_FRAME_HELLO;
+        if (f->h.kind == KVS_FRAME_ERROR && kvs_tls_is_tls(pl->l)) { /* the predecessor refused this stage's key */
+            uint32_t code;
+            char m2[KVS_PROTO_MAX_ERRMSG + 1];
+            kvs_proto_get_error(f, &code, m2, sizeof m2);
+            KVS_LOGE("predecessor %s refused this stage: %s", pl->l->peer, m2);
+            kvs_st_met_add(s, &s->met.frames_rejected, 1);
+            kvs_st_pend_close(pl);
+            return;
+        }
         if (s->solo) {
             snprintf(msg, sizeof msg, "this stage serves the whole model alone (a one-stage ring)");
             snprintf(rmsg, sizeof rmsg, "it serves the whole model alone (a one-stage ring): no predecessor");
@@ -326,11 +349,17 @@ static void out_refused(struct kvs_stage *s, kvs_err code, const char *msg)
     pthread_cond_broadcast(&s->cv);
 }
 
+static void out_hello(struct kvs_stage *s);
+
 void kvs_st_dial_next(struct kvs_stage *s)
 {
     char err[256];
     struct kvs_link *l;
     kvs_err e = kvs_tcp_dial(s->next_addr, 500, &l, err, sizeof err);
+    if (!e && s->tls) {
+        e = kvs_tls_wrap(s->tls, l, KVS_TLS_DIALER, s->p.next_key, &l);
+        if (e) snprintf(err, sizeof err, "%s", kvs_strerror(e));
+    }
     if (e) {
         pthread_mutex_lock(&s->mu);
         s->out_refusal_code = KVS_OK;
@@ -344,17 +373,40 @@ void kvs_st_dial_next(struct kvs_stage *s)
         s->out_next_dial = kvs_link_now_ms() + kvs_link_backoff_ms(s->out_attempt++);
         return;
     }
-    uint8_t hb[KVS_PROTO_HEADER_BYTES + KVS_PROTO_HELLO_BYTES];
-    write_hello(s, hb, KVS_HELLO_ROLE_PRED);
-    if (kvs_link_write(l, hb, sizeof hb, 1000)) {
-        kvs_link_close(l);
-        s->out_next_dial = kvs_link_now_ms() + kvs_link_backoff_ms(s->out_attempt++);
-        return;
-    }
     s->out = l;
     s->out_state = OUT_HANDSHAKE;
+    s->out_hello_sent = false;
     s->out_since = kvs_link_now_ms();
     kvs_proto_decoder_reset(s->out_dec);
+    out_hello(s);
+}
+
+/* OUT_HANDSHAKE: writes HELLO, over TLS once the handshake is done and the
+ * successor proved its key (driven from here and out_read without waiting:
+ * every stage of a starting ring dials at once, and a stage blocked on its
+ * successor's TLS reply could not answer its own predecessor's). */
+static void out_hello(struct kvs_stage *s)
+{
+    if (s->out_hello_sent) return;
+    if (kvs_tls_is_tls(s->out)) {
+        kvs_err e = kvs_tls_handshake(s->out, 0);
+        if (e == KVS_ERR_TIMEOUT) return; /* not done yet: more when the out link is readable */
+        if (e) {
+            const char *why = kvs_tls_error(s->out);
+            char msg[sizeof s->out_refusal];
+            snprintf(msg, sizeof msg, "refusing successor %s: %s", s->next_addr, why ? why : kvs_strerror(e));
+            if (e == KVS_ERR_MISMATCH || e == KVS_ERR_FORMAT) out_refused(s, e, msg);
+            else kvs_st_out_lost(s, msg);
+            return;
+        }
+    }
+    uint8_t hb[KVS_PROTO_HEADER_BYTES + KVS_PROTO_HELLO_BYTES];
+    write_hello(s, hb, KVS_HELLO_ROLE_PRED);
+    if (kvs_link_write(s->out, hb, sizeof hb, 1000)) {
+        kvs_st_out_lost(s, "cannot write HELLO");
+        return;
+    }
+    s->out_hello_sent = true;
 }
 
 /* Reads on the out link: the HELLO reply, an ERROR refusal, or EOF. */
@@ -362,6 +414,10 @@ void kvs_st_out_read(struct kvs_stage *s)
 {
     uint8_t buf[512];
     size_t got;
+    if (s->out_state == OUT_HANDSHAKE && !s->out_hello_sent) {
+        out_hello(s);
+        if (!s->out || !s->out_hello_sent) return;
+    }
     kvs_err e = kvs_link_read(s->out, buf, sizeof buf, &got);
     if (e == KVS_ERR_NEED_MORE) return;
     if (e) {

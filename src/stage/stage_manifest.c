@@ -19,5 +19,12 @@ kvs_err kvs_stage_params_from_manifest(const struct kvs_manifest *mf, int32_t ra
     if (mf->ctx > 0) p->n_ctx = (int32_t)mf->ctx;
     if (mf->seqs > 0) p->n_seq = (int32_t)mf->seqs;
     if (mf->boundary_bytes) p->boundary_f32 = mf->boundary_bytes == 4;
+    /* a keyed manifest (every rank has one, docs/MANIFEST.md): the neighbours' keys */
+    const char *pk = mf->ranks[(rank + mf->n_ranks - 1) % mf->n_ranks].key;
+    const char *nk = mf->ranks[(rank + 1) % mf->n_ranks].key;
+    if (pk[0] && nk[0]) {
+        p->has_prev_key = kvs_key_parse_public(pk, p->prev_key) == KVS_OK;
+        p->has_next_key = kvs_key_parse_public(nk, p->next_key) == KVS_OK;
+    }
     return KVS_OK;
 }

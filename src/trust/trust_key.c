@@ -62,7 +62,7 @@ kvs_err kvs_key_save(const struct kvs_key *k, const char *path, char *errbuf, si
         ERR(KVS_ERR_IO, "cannot write %s", path);
     }
     int ok = PEM_write_PrivateKey(f, k->pk, NULL, NULL, 0, NULL, NULL) == 1;
-    ok &= fflush(f) == 0 && fsync(fileno(f)) == 0;
+    ok &= fflush(f) == 0;
     ok &= fclose(f) == 0;
     if (!ok) {
         unlink(path);

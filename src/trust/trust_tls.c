@@ -391,6 +391,9 @@ static kvs_err tls_read(struct kvs_link *l, void *buf, size_t cap, size_t *got)
         int r = SSL_read(t->ssl, (uint8_t *)buf + have, (int)want);
         if (r > 0) {
             have += (size_t)r;
+            /* nothing left inside TLS: stop without another read of the inner
+             * link (it stays readable if more came; one syscall per record saved) */
+            if (SSL_pending(t->ssl) == 0 && BIO_ctrl_pending(t->rbio) == 0) break;
             continue;
         }
         int se = SSL_get_error(t->ssl, r);

@@ -243,4 +243,46 @@ for (const bad of [{ ...req, max_tokens: 0 }, { ...req, temperature: 5 }, { ...r
   assert.equal(metric(m, 'kvasir_requests_total{status="unavailable"}'), 1);
   assert.equal(metric(m, 'kvasir_ring_ready'), 0);
 }
+// serve --api-key-file: the official client with the right key is served; a
+// wrong key or none gets OpenAI's 401 error object; /health and /metrics stay open.
+{
+  const port = process.env.KVASIR_KEYED_PORT;
+  const key = process.env.KVASIR_API_KEY;
+  assert.ok(port && key, 'keyed server port and key');
+  await waitHealthy(port); // no key needed for /health
+  const base = { baseURL: `http://127.0.0.1:${port}/v1`, maxRetries: 0, timeout: 60000 };
+  const good = new OpenAI({ apiKey: key, ...base });
+  const r = await good.completions.create({ model: 'aidreams260K', prompt: 'Once upon a time', max_tokens: 60,
+    temperature: 0 });
+  assert.equal(r.choices[0].text, expected);
+  const bad = new OpenAI({ apiKey: key + 'x', ...base });
+  const is401 = (e) => {
+    assert.ok(e instanceof APIError, `not an APIError: ${e}`);
+    assert.ok(e instanceof OpenAI.AuthenticationError, `not an AuthenticationError: ${e.constructor.name}`);
+    assert.equal(e.status, 401);
+    assert.equal(e.code, 'invalid_api_key');
+    assert.equal(e.type, 'invalid_request_error');
+    assert.equal(e.param, null);
+    assert.match(e.message, /Incorrect API key provided/);
+    assert.ok(!e.message.includes(key), 'the key is not echoed');
+    return true;
+  };
+  await assert.rejects(bad.completions.create({ model: 'aidreams260K', prompt: 'Once upon a time', max_tokens: 4 }),
+    is401);
+  await assert.rejects(bad.chat.completions.create({ model: 'aidreams260K', messages: [{ role: 'user', content: 'hi' }] }),
+    is401);
+  await assert.rejects(bad.models.list(), is401);
+  const none = await fetch(`http://127.0.0.1:${port}/v1/completions`, { method: 'POST',
+    headers: { 'Content-Type': 'application/json' }, body: JSON.stringify({ prompt: 'x', max_tokens: 2 }) });
+  assert.equal(none.status, 401);
+  assert.equal(none.headers.get('www-authenticate'), 'Bearer');
+  const body = await none.json();
+  assert.deepEqual(Object.keys(body), ['error']);
+  assert.deepEqual(Object.keys(body.error), ['message', 'type', 'param', 'code']);
+  assert.equal(body.error.code, 'invalid_api_key');
+  assert.match(body.error.message, /You didn't provide an API key/);
+  const m = await metrics(port); // open without the key
+  assert.equal(metric(m, 'kvasir_requests_total{status="ok"}'), 1);
+  assert.equal(metric(m, 'kvasir_requests_total{status="invalid"}'), 4);
+}
 console.log('api_openai: all checks passed');

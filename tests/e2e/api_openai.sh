@@ -3,7 +3,9 @@
 # (tests/e2e/api_openai.mjs): greedy completion equals llama.cpp's reference
 # continuation (../shared/models/README.md), streamed and not; chat on
 # qwen3-q8_0 (ChatML); models.list; 400 as APIError; /metrics counts; a
-# client that aborts a stream gets its request cancelled.
+# client that aborts a stream gets its request cancelled; --api-key-file: the right
+# key works, a wrong or missing one gets OpenAI's 401 error object (AuthenticationError),
+# /health and /metrics stay open.
 # node/npm missing or the client not installable: the test fails (scripts/install-deps.sh installs node).
 set -euo pipefail
 : "${KVASIR_BIN:?}" "${KVASIR_SHARED:?}" "${KVASIR_SRC:?}"
@@ -47,19 +49,24 @@ port_of() {
 # A small per-step delay keeps a 100-token stream running long enough to abort.
 start tiny aidreams260K.gguf --step-delay 5
 start chat qwen3-q8_0.gguf --ctx 256
+api_key="sk-kvasir-$$-$RANDOM$RANDOM"
+printf '%s\n' "$api_key" >"$tmp/api.key"
+start keyed aidreams260K.gguf --api-key-file "$tmp/api.key"
 tiny_port=$(port_of tiny)
 chat_port=$(port_of chat)
+keyed_port=$(port_of keyed)
 
 tiny_child=$(grep -o 'rank 1 (pid [0-9]*)' "$tmp/tiny.log" | grep -o '[0-9]*)' | tr -d ')')
 
 set +e
-KVASIR_TINY_CHILD=$tiny_child NODE_PATH="$npm_dir/node_modules" KVASIR_TINY_PORT=$tiny_port KVASIR_CHAT_PORT=$chat_port \
+KVASIR_KEYED_PORT=$keyed_port KVASIR_API_KEY=$api_key KVASIR_TINY_CHILD=$tiny_child NODE_PATH="$npm_dir/node_modules" KVASIR_TINY_PORT=$tiny_port KVASIR_CHAT_PORT=$chat_port \
     timeout 240 node "$KVASIR_SRC/tests/e2e/api_openai.mjs" "$npm_dir/node_modules/openai/index.mjs"
 rc=$?
 set -e
 if [ $rc != 0 ]; then
     echo "--- tiny server log"; tail -30 "$tmp/tiny.log"
     echo "--- chat server log"; tail -30 "$tmp/chat.log"
+    echo "--- keyed server log"; tail -30 "$tmp/keyed.log"
     exit 1
 fi
 grep -q "has no chat template: /v1/chat/completions falls back to ChatML" "$tmp/tiny.log" ||

@@ -79,13 +79,15 @@ echo "ok: without the token: $(grep -o 'HTTP 401[^;]*' "$T/run3.log" | head -1)"
 # 4. Stages download only their windows (--cache DIR, --header), and the ring prints the reference.
 freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 p0=$(freeport); p1=$(freeport)
+. "$(dirname "$0")/tools/ring_keys.sh"
+ring_keys "$T" 2 || fail "cannot make keys"
 "$K" stage -m "$URL" --cache "$T/c3" --header "Authorization: Bearer $TOKEN" --window 2:4 --boundary f32 \
-    --listen "127.0.0.1:$p1" --next "127.0.0.1:$p0" 2>"$T/tail.log" &
+    $(key_args "$T" 1 2) --listen "127.0.0.1:$p1" --next "127.0.0.1:$p0" 2>"$T/tail.log" &
 PIDS+=($!)
 for _ in $(seq 200); do ls "$T"/c3/*blk2-4.gguf >/dev/null 2>&1 && break; sleep 0.05; done
 ls "$T"/c3/*blk2-4.gguf >/dev/null 2>&1 || { cat "$T/tail.log" >&2; fail "the tail's window is not cached"; }
 out=$(timeout 60 "$K" stage -m "$URL" --cache "$T/c3" --header "Authorization: Bearer $TOKEN" --window 0:2 \
-    --boundary f32 --listen "127.0.0.1:$p0" --next "127.0.0.1:$p1" -p "Once upon a time" -n 60 --temp 0 \
+    --boundary f32 $(key_args "$T" 0 2) --listen "127.0.0.1:$p0" --next "127.0.0.1:$p1" -p "Once upon a time" -n 60 --temp 0 \
     2>"$T/head.log") || { cat "$T/head.log" >&2; fail "ring head"; }
 [[ $out == "$REF" ]] || fail "ring of URL windows printed '$out'"
 [[ $out == "$REF" ]] || fail "ring of URL windows printed '$out'"
@@ -95,7 +97,7 @@ echo "ok: ring of two stages, each given the URL and its window: the reference t
 cp "$M/llama-q4_k_m.gguf" "$T/srv/"
 QSIZE=$(stat -c %s "$M/llama-q4_k_m.gguf")
 b6=$(seed_stat bytes_served)
-"$K" stage -m "${URL%/*}/llama-q4_k_m.gguf" --hf-token "$TOKEN" --cache "$T/c4" --window 1:2 \
+"$K" stage -m "${URL%/*}/llama-q4_k_m.gguf" --hf-token "$TOKEN" --cache "$T/c4" --window 1:2 --insecure \
     --listen "127.0.0.1:$(freeport)" --next "127.0.0.1:$(freeport)" 2>"$T/mid.log" &
 PIDS+=($!)
 for _ in $(seq 200); do ls "$T"/c4/*-llama-q4_k_m.blk1-2.gguf >/dev/null 2>&1 && break; sleep 0.05; done

@@ -35,8 +35,11 @@ while [ "${#ports[@]}" -lt 4 ]; do
     p=$((p + 1))
 done
 
+# Each device has a node key (as `kvasir bench --probe --key` reports it): the
+# planner copies it into the manifest, and the stages' links are TLS between them.
+for d in a b c d; do "$KVASIR_BIN" key gen -o "$dir/$d.key" >/dev/null; done
 dev() { # name gbps port
-    printf '{"name": "%s", "backend": "cpu", "mem_bytes": 1450000, "decode_gbps": %s, "rtt_ms": 0.05, "bandwidth_mbps": 10000, "threads": 1, "addr": "127.0.0.1:%s"}' "$1" "$2" "$3"
+    printf '{"name": "%s", "backend": "cpu", "mem_bytes": 1450000, "decode_gbps": %s, "rtt_ms": 0.05, "bandwidth_mbps": 10000, "threads": 1, "addr": "127.0.0.1:%s", "key": "%s"}' "$1" "$2" "$3" "$("$KVASIR_BIN" key show --public "$dir/$1.key")"
 }
 {
     echo '{"relay": {"rtt_ms": 40}, "devices": ['
@@ -119,8 +122,10 @@ set -e
 [ "$rc" = 2 ] || { echo "bad inventory: rc $rc, expected 2"; exit 1; }
 grep -q 'mem_bytes' "$dir/err" || { echo "error does not name mem_bytes: $(cat "$dir/err")"; exit 1; }
 
-# bench --probe prints an inventory device that plan accepts.
-"$KVASIR_BIN" bench --probe --name probe --mib 16 --threads 1 >"$dir/probe.json"
+# bench --probe prints an inventory device that plan accepts; --key adds its public key.
+"$KVASIR_BIN" bench --probe --name probe --mib 16 --threads 1 --key "$dir/a.key" >"$dir/probe.json"
+grep -q "\"key\": \"$("$KVASIR_BIN" key show --public "$dir/a.key")\"}\$" "$dir/probe.json" ||
+    { echo "bench --probe --key: no key in $(cat "$dir/probe.json")"; exit 1; }
 grep -Eq '^\{"name": "probe", "backend": "cpu", "mem_bytes": [0-9]+, "decode_gbps": [0-9.]+' "$dir/probe.json" ||
     { echo "bench --probe: $(cat "$dir/probe.json")"; exit 1; }
 { echo '['; cat "$dir/probe.json"; echo ']'; } >"$dir/probe_inv.json"
@@ -150,6 +155,19 @@ grep -q "\"path\": \"$(realpath "$model")\"" "$dir/rel.json" ||
 # --- the ring itself ---------------------------------------------------------
 # Ranks 3..1 serve; rank 0 (the head) is a client of its own ring: it waits
 # for the ring to close, runs the prompt greedily and prints the text.
+# every rank's key came from its device
+for r in 0 1 2 3; do
+    dv=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["ranks"][int(sys.argv[2])]["device"])' "$dir/ring.json" "$r")
+    kk=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["ranks"][int(sys.argv[2])]["key"])' "$dir/ring.json" "$r")
+    [ "$kk" = "$("$KVASIR_BIN" key show --public "$dir/$dv.key")" ] || { echo "rank $r: key $kk is not device $dv's"; exit 1; }
+    eval "dev$r=$dv"
+done
+# a node key that is not the manifest's key for its rank is refused at start-up, naming both
+set +e
+timeout 10 "$KVASIR_BIN" stage --manifest "$dir/ring.json" --rank 0 --key "$dir/$dev1.key" 2>"$dir/err"; rc=$?
+set -e
+[ "$rc" = 2 ] && grep -q "is key [0-9a-f]\{16\} but .* gives rank 0 key [0-9a-f]\{16\}" "$dir/err" ||
+    { echo "wrong node key for rank 0: rc $rc, $(cat "$dir/err")"; exit 1; }
 # `-m PATH` beside --manifest is the model this machine opens (the manifest's path is only a
 # default): rank 3 opens a copy under another name; a path that does not exist is named.
 cp "$model" "$dir/elsewhere.gguf"
@@ -161,12 +179,13 @@ set -e
     { echo "--manifest with -m MISSING: rc $rc: $(cat "$dir/missing.err")"; exit 1; }
 for r in 3 2 1; do
     if [ "$r" = 3 ]; then extra=(-m "$dir/elsewhere.gguf"); else extra=(); fi
-    "$KVASIR_BIN" stage --manifest "$dir/ring.json" --rank "$r" "${extra[@]}" 2>"$dir/stage$r.err" &
+    eval "dv=\$dev$r"
+    "$KVASIR_BIN" stage --manifest "$dir/ring.json" --rank "$r" --key "$dir/$dv.key" "${extra[@]}" 2>"$dir/stage$r.err" &
     pids+=("$!")
 done
 expected=$(grep -o '"text":"[^"]*"' "$ref" | sed -e 's/^"text":"//' -e 's/"$//')
 set +e
-got=$(timeout 120 "$KVASIR_BIN" stage --manifest "$dir/ring.json" --rank 0 -p "Once upon a time" -n 60 --temp 0 \
+got=$(timeout 120 "$KVASIR_BIN" stage --manifest "$dir/ring.json" --rank 0 --key "$dir/$dev0.key" -p "Once upon a time" -n 60 --temp 0 \
       2>"$dir/stage0.err")
 rc=$?
 set -e

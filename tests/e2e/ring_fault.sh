@@ -15,6 +15,8 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
+. "$(dirname "$0")/tools/ring_keys.sh"
+ring_keys "$tmp" 4 || { echo "FAIL: cannot make keys"; exit 1; }
 fail() { echo "FAIL: $*"; for f in "$tmp"/*.log; do echo "== $f"; tail -20 "$f"; done; exit 1; }
 base=$((20000 + ($$ % 400) * 100))
 P=($base $((base + 1)) $((base + 2)) $((base + 3)))
@@ -22,7 +24,7 @@ addr() { echo "127.0.0.1:${P[$1]}"; }
 start_rank() { # rank begin end
   local r=$1
   "$BIN" stage -m "$M" --window "$2:$3" --listen "$(addr "$r")" --next "$(addr $(((r + 1) % 4)))" \
-    --step-delay 25 >>"$tmp/rank$r.log" 2>&1 &
+    $(key_args "$tmp" "$r" 4) --step-delay 25 >>"$tmp/rank$r.log" 2>&1 &
   pids+=($!)
   eval "pid$r=$!"
 }
@@ -30,7 +32,7 @@ start_rank 1 1 2
 start_rank 2 2 3
 start_rank 3 3 4
 mkfifo "$tmp/in"
-"$BIN" stage -m "$M" --window 0:1 --listen "$(addr 0)" --next "$(addr 1)" --prompts - -n 60 --temp 0 \
+"$BIN" stage -m "$M" --window 0:1 --listen "$(addr 0)" --next "$(addr 1)" $(key_args "$tmp" 0 4) --prompts - -n 60 --temp 0 \
   <"$tmp/in" >"$tmp/out" 2>"$tmp/rank0.log" &
 pids+=($!)
 exec 3>"$tmp/in"
@@ -56,11 +58,11 @@ dt=$((($(date +%s%N) - t0) / 1000000))
 grep -q '^#1 error ' "$tmp/out" || fail "request 1 did not fail: $(grep '^#1' "$tmp/out")"
 [[ $dt -le 5000 ]] || fail "error came after $dt ms (> 5000)"
 echo "ok: error after $dt ms: $(grep '^#1' "$tmp/out")"
-# 3. garbage on a stage's listen port: logged, the stage survives
+# 3. garbage on a stage's listen port (not TLS): logged, the stage survives
 exec 4<>"/dev/tcp/127.0.0.1/${P[1]}" && printf 'GET / HTTP/1.1\r\n\r\n' >&4 && exec 4>&-
 sleep 0.5
 kill -0 "$pid1" || fail "rank 1 died on garbage"
-grep -q 'bad magic' "$tmp/rank1.log" || fail "rank 1 did not log the bad frame"
+grep -q 'TLS handshake with 127.0.0.1:[0-9]* failed' "$tmp/rank1.log" || fail "rank 1 did not log the bad handshake"
 # 4. restart the killed stage; a new request succeeds once the ring is whole
 start_rank 2 2 3
 ok=0

@@ -4,7 +4,8 @@
 #          once counted every copy: 51 completion tokens for max_tokens 3);
 #  - pos:  a TOKEN at a position the head did not ask for -> fails, naming it;
 #  - long: a tail that never finishes -> the head stops at max_tokens itself.
-# The head survives each and answers /health.
+# The head survives each and answers /health. The head runs --insecure: the fake
+# tail speaks plaintext frames (a tail that proved its key could still misbehave).
 set -euo pipefail
 BIN=${KVASIR_BIN:?}; M=${KVASIR_SHARED:?}/models/aidreams260K.gguf
 command -v python3 >/dev/null && command -v curl >/dev/null || { echo "FAIL: python3/curl missing: run scripts/install-deps.sh"; exit 1; }
@@ -19,7 +20,7 @@ for mode in dup pos long; do
   PH=$(free_port); PT=$(free_port); PA=$(free_port)
   KVASIR_BIN="$BIN" timeout 40 python3 "$here/tools/fake_tail.py" "$M" "$PT" "$PH" "$mode" 4 64 128 4 2 & pids+=($!)
   sleep 0.3
-  timeout 40 "$BIN" stage -m "$M" --window 0:2 --listen 127.0.0.1:$PH --next 127.0.0.1:$PT --api $PA \
+  timeout 40 "$BIN" stage -m "$M" --window 0:2 --listen 127.0.0.1:$PH --next 127.0.0.1:$PT --api $PA --insecure \
     2>"$T/$mode.log" & hp=$!; pids+=($hp)
   for _ in $(seq 100); do
     [ "$(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:$PA/health)" = 200 ] && break

@@ -25,6 +25,10 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
+. "$(dirname "$0")/tools/ring_keys.sh"
+ring_keys "$tmp" 2 || { echo "FAIL: cannot make keys"; exit 1; }
+K0=$(key_args "$tmp" 0 2) # the heads below
+K1=$(key_args "$tmp" 1 2) # their other stage
 fail() { echo "FAIL: $*"; for f in "$tmp"/*.log; do echo "== $f"; tail -20 "$f"; done; exit 1; }
 # free ports (a port is taken if a connect succeeds), below Linux's ephemeral
 # range (32768-60999), where an outgoing connection could take one after the check
@@ -51,12 +55,12 @@ term() {
 }
 
 # --- A. non-adjacent successor ----------------------------------------------------------
-"$BIN" stage -m "$M" --window 2:4 --listen "$(a 1)" --next "$(a 0)" >"$tmp/refuser.log" 2>&1 &
+"$BIN" stage -m "$M" --window 2:4 $K1 --listen "$(a 1)" --next "$(a 0)" >"$tmp/refuser.log" 2>&1 &
 refuser=$!
 pids+=($refuser)
 sleep 0.3
 t0=$(now_ms)
-timeout 15 "$BIN" stage -m "$M" --window 0:1 --listen "$(a 0)" --next "$(a 1)" -p hi >"$tmp/a.out" 2>"$tmp/a.log"
+timeout 15 "$BIN" stage -m "$M" --window 0:1 $K0 --listen "$(a 0)" --next "$(a 1)" -p hi >"$tmp/a.out" 2>"$tmp/a.log"
 rc=$?
 dt=$(($(now_ms) - t0))
 [[ $rc == 1 ]] || fail "A: head -p exited $rc, expected 1"
@@ -69,7 +73,7 @@ grep -qF "its window [0,1) does not end where this stage's [2,4) begins" "$tmp/r
   fail "A: the refusing stage's own reason"
 echo "ok: A: refused in $dt ms: $why"
 # the daemon (no -p) logs every refusal as an error, with a growing backoff
-"$BIN" stage -m "$M" --window 0:1 --listen "$(a 0)" --next "$(a 1)" >"$tmp/a2.log" 2>&1 &
+"$BIN" stage -m "$M" --window 0:1 $K0 --listen "$(a 0)" --next "$(a 1)" >"$tmp/a2.log" 2>&1 &
 h=$!
 pids+=($h)
 sleep 3.6
@@ -82,11 +86,11 @@ term "$refuser" "A: refusing stage"
 
 # --- B. another model --------------------------------------------------------------------
 # (its next leads nowhere: the head must not also refuse it as a predecessor first)
-"$BIN" stage -m "$L" --window 1:2 --listen "$(a 2)" --next "$(a 7)" >"$tmp/llama.log" 2>&1 &
+"$BIN" stage -m "$L" --window 1:2 $K1 --listen "$(a 2)" --next "$(a 7)" >"$tmp/llama.log" 2>&1 &
 ll=$!
 pids+=($ll)
 sleep 0.3
-timeout 15 "$BIN" stage -m "$M" --window 0:1 --listen "$(a 0)" --next "$(a 2)" -p hi >"$tmp/b.out" 2>"$tmp/b.log"
+timeout 15 "$BIN" stage -m "$M" --window 0:1 $K0 --listen "$(a 0)" --next "$(a 2)" -p hi >"$tmp/b.out" 2>"$tmp/b.log"
 rc=$?
 [[ $rc == 1 ]] || fail "B: head -p exited $rc, expected 1"
 # the 16-hex-digit fingerprint prefixes, as `gguf info` computes them
@@ -102,18 +106,18 @@ term "$ll" "B: refusing stage"
 
 # --- C. SIGTERM and orderly shutdown -------------------------------------------------------
 # a head waiting for a successor that never comes (nothing listens on port 7)
-"$BIN" stage -m "$M" --window 0:2 --listen "$(a 3)" --next "$(a 7)" -p hi >"$tmp/c1.out" 2>"$tmp/c1.log" &
+"$BIN" stage -m "$M" --window 0:2 $K0 --listen "$(a 3)" --next "$(a 7)" -p hi >"$tmp/c1.out" 2>"$tmp/c1.log" &
 h=$!
 pids+=($h)
 sleep 1
 term "$h" "C: head waiting for the ring"
 grep -qF "stopped before the ring closed" "$tmp/c1.log" || fail "C: head did not say why it stopped"
 # a two-stage ring: a request, then stop the tail (the head stays), then the head
-"$BIN" stage -m "$M" --window 2:4 --listen "$(a 4)" --next "$(a 5)" >"$tmp/tail.log" 2>&1 &
+"$BIN" stage -m "$M" --window 2:4 $K1 --listen "$(a 4)" --next "$(a 5)" >"$tmp/tail.log" 2>&1 &
 tl=$!
 pids+=($tl)
 mkfifo "$tmp/in"
-"$BIN" stage -m "$M" --window 0:2 --listen "$(a 5)" --next "$(a 4)" --prompts - -n 8 --temp 0 \
+"$BIN" stage -m "$M" --window 0:2 $K0 --listen "$(a 5)" --next "$(a 4)" --prompts - -n 8 --temp 0 \
   <"$tmp/in" >"$tmp/c.out" 2>"$tmp/head.log" &
 h=$!
 pids+=($h)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A ring whose links are slow: every chunk on the link from the head to its
+# A ring whose links are slow (TLS through the proxy): every chunk on the link from the head to its
 # successor waits 50 ms in a proxy, so a probe takes longer to come round
 # than the head's probe interval before the ring is known closed (20 ms).
 # The ring must still close and serve the reference continuation: a probe
@@ -15,9 +15,11 @@ T=$(mktemp -d)
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$T"; }
 trap cleanup EXIT
+. "$here/tools/ring_keys.sh"
+ring_keys "$T" 2
 timeout 60 python3 "$here/tools/delay_proxy.py" "$PX" "$P1" 0.05 & pids+=($!)
-timeout 60 "$BIN" stage -m "$M" --window 2:4 --listen 127.0.0.1:$P1 --next 127.0.0.1:$P0 2>"$T/tail.err" & pids+=($!)
-out=$(timeout 40 "$BIN" stage -m "$M" --window 0:2 --listen 127.0.0.1:$P0 --next 127.0.0.1:$PX \
+timeout 60 "$BIN" stage -m "$M" --window 2:4 $(key_args "$T" 1 2) --listen 127.0.0.1:$P1 --next 127.0.0.1:$P0 2>"$T/tail.err" & pids+=($!)
+out=$(timeout 40 "$BIN" stage -m "$M" --window 0:2 $(key_args "$T" 0 2) --listen 127.0.0.1:$P0 --next 127.0.0.1:$PX \
       -p "Once upon a time" -n 20 --temp 0 2>"$T/head.err") || { echo "FAIL: head: $(tail -3 "$T/head.err")"; exit 1; }
 want=", pixels unfolding like petals. Classific"
 [ "$out" = "$want" ] || { echo "FAIL: got '$out', expected '$want'"; exit 1; }

@@ -66,12 +66,14 @@ echo "ok: kvasir run on the fetched shard: '$b'"
 
 # a two-stage ring whose stages hold only fetched shards generates like a ring over the full file
 freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. "$(dirname "$0")/tools/ring_keys.sh"
 ring() { # HEAD_MODEL TAIL_MODEL -> generated text
     local p0 p1 tp out
+    ring_keys "$T" 2
     p0=$(freeport); p1=$(freeport)
-    "$K" stage -m "$2" --window 1:3 --listen "127.0.0.1:$p1" --next "127.0.0.1:$p0" 2>>"$T/ring.log" & tp=$!
+    "$K" stage -m "$2" --window 1:3 $(key_args "$T" 1 2) --listen "127.0.0.1:$p1" --next "127.0.0.1:$p0" 2>>"$T/ring.log" & tp=$!
     PIDS+=("$tp")
-    out=$(timeout 60 "$K" stage -m "$1" --window 0:1 --listen "127.0.0.1:$p0" --next "127.0.0.1:$p1" \
+    out=$(timeout 60 "$K" stage -m "$1" --window 0:1 $(key_args "$T" 0 2) --listen "127.0.0.1:$p0" --next "127.0.0.1:$p1" \
         -p "Hello world" -n 12 --temp 0 --threads 1 2>>"$T/ring.log") || true
     kill "$tp" 2>/dev/null || true; wait "$tp" 2>/dev/null || true
     printf '%s' "$out"

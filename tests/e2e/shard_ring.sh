@@ -16,6 +16,8 @@ fail() { echo "FAIL: $*"; exit 1; }
 port=$((20000 + (RANDOM % 1000) * 10))
 PROMPT="Once upon a time"
 n_models=0
+. "$(dirname "$0")/tools/ring_keys.sh"
+ring_keys "$T" 3 || fail "cannot make keys"
 for M in "$SH"/models/*.gguf; do
   name=$(basename "$M" .gguf)
   nb=$("$BIN" gguf info "$M" | sed -n 's/^main blocks: \([0-9]*\) .*/\1/p')
@@ -29,13 +31,13 @@ for M in "$SH"/models/*.gguf; do
     "$BIN" shard extract -m "$M" --window "$b:$e" -o "$T/$name.$r.gguf" >/dev/null 2>"$T/extract.log" ||
       fail "$name: extract [$b,$e): $(cat "$T/extract.log")"
     ((r == 0)) && continue
-    "$BIN" stage -m "$T/$name.$r.gguf" --window "$b:$e" --listen "${addrs[$r]}" \
+    "$BIN" stage -m "$T/$name.$r.gguf" --window "$b:$e" $(key_args "$T" "$r" "$ns") --listen "${addrs[$r]}" \
       --next "${addrs[$(((r + 1) % ns))]}" --boundary f32 --threads 1 2>>"$T/ring.log" &
     pids+=($!)
   done
   want=$(timeout 60 "$BIN" run -m "$M" -p "$PROMPT" -n 12 --temp 0 --ignore-eos --threads 1 2>/dev/null) ||
     fail "$name: single-process run failed"
-  got=$(timeout 60 "$BIN" stage -m "$T/$name.0.gguf" --window "0:$((nb / ns))" --listen "${addrs[0]}" \
+  got=$(timeout 60 "$BIN" stage -m "$T/$name.0.gguf" --window "0:$((nb / ns))" $(key_args "$T" 0 "$ns") --listen "${addrs[0]}" \
     --next "${addrs[1]}" --boundary f32 --threads 1 -p "$PROMPT" -n 12 --temp 0 --ignore-eos 2>>"$T/ring.log") ||
     fail "$name: ring over shards failed: $(tail -5 "$T/ring.log")"
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; pids=()

@@ -9,10 +9,13 @@ free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0)
   || echo $((20000 + RANDOM % 20000)); }
 P0=$(free_port); P1=$(free_port); PA=$(free_port)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+T=$(mktemp -d)
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$T"; }
 trap cleanup EXIT
-"$BIN" stage -m "$M" --window 2:4 --listen 127.0.0.1:$P1 --next 127.0.0.1:$P0 2>/dev/null & pids+=($!)
-"$BIN" stage -m "$M" --window 0:2 --listen 127.0.0.1:$P0 --next 127.0.0.1:$P1 --api $PA 2>/dev/null & pids+=($!)
+. "$(dirname "$0")/tools/ring_keys.sh"
+ring_keys "$T" 2
+"$BIN" stage -m "$M" --window 2:4 $(key_args "$T" 1 2) --listen 127.0.0.1:$P1 --next 127.0.0.1:$P0 2>/dev/null & pids+=($!)
+"$BIN" stage -m "$M" --window 0:2 $(key_args "$T" 0 2) --listen 127.0.0.1:$P0 --next 127.0.0.1:$P1 --api $PA 2>/dev/null & pids+=($!)
 for _ in $(seq 100); do
   [ "$(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:$PA/health)" = 200 ] && break
   sleep 0.1

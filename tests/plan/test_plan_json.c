@@ -495,6 +495,51 @@ static void test_load_errors_and_empty_model(void **state)
     kvs_gguf_close(g);
 }
 
+
+/* Node keys: an inventory's "key" (64 hex digits, stored lower-case), the
+ * manifest's ranks[].key; malformed keys and a ring keyed only in part are
+ * refused, naming the field. */
+static void test_keys(void **state)
+{
+    (void)state;
+    struct kvs_plan_inventory *inv = malloc(sizeof *inv);
+    struct kvs_manifest *mf = malloc(sizeof *mf);
+    assert_non_null(inv);
+    assert_non_null(mf);
+    const char *k0 = "92E10D91E849E8261755D344C11779E6883221768F5FAC079CD0B47051FE049A";
+    char doc[1024];
+    snprintf(doc, sizeof doc, "[{\"name\": \"x\", \"mem_bytes\": 5, \"decode_gbps\": 1, \"key\": \"%s\"},"
+             "{\"name\": \"y\", \"mem_bytes\": 5, \"decode_gbps\": 1, \"key\": null}]", k0);
+    assert_int_equal(inv_parse(doc, inv), KVS_OK);
+    assert_string_equal(inv->devices[0].key, "92e10d91e849e8261755d344c11779e6883221768f5fac079cd0b47051fe049a");
+    assert_string_equal(inv->devices[1].key, "");
+    assert_int_equal(inv_parse("[{\"name\": \"x\", \"mem_bytes\": 5, \"decode_gbps\": 1, \"key\": \"abc\"}]", inv),
+                     KVS_ERR_FORMAT);
+    assert_non_null(strstr(g_err, "\"key\""));
+#define KR(r, a, b, l, n, key) \
+    "{\"rank\": " #r ", \"window\": [" #a ", " #b "], \"listen\": \"h:" #l "\", \"next\": \"h:" #n "\"" key "}"
+#define K1 ", \"key\": \"1111111111111111111111111111111111111111111111111111111111111111\""
+#define K2 ", \"key\": \"2222222222222222222222222222222222222222222222222222222222222222\""
+    const char *both = "{\"kvasir_manifest\": 1, \"model\": {\"path\": \"m\", \"n_block\": 4}, \"ranks\": ["
+                       KR(0, 0, 2, 7, 8, K1) "," KR(1, 2, 4, 8, 7, K2) "]}";
+    assert_int_equal(kvs_manifest_parse(both, strlen(both), mf, g_err, sizeof g_err), KVS_OK);
+    assert_string_equal(mf->ranks[0].key, "1111111111111111111111111111111111111111111111111111111111111111");
+    assert_string_equal(mf->ranks[1].key, "2222222222222222222222222222222222222222222222222222222222222222");
+    const char *part = "{\"kvasir_manifest\": 1, \"model\": {\"path\": \"m\", \"n_block\": 4}, \"ranks\": ["
+                       KR(0, 0, 2, 7, 8, K1) "," KR(1, 2, 4, 8, 7, "") "]}";
+    assert_int_equal(kvs_manifest_parse(part, strlen(part), mf, g_err, sizeof g_err), KVS_ERR_FORMAT);
+    assert_string_equal(g_err, "manifest: 1 of 2 ranks have a \"key\": a keyed ring needs every rank's key");
+    const char *bad = "{\"kvasir_manifest\": 1, \"model\": {\"path\": \"m\", \"n_block\": 4}, \"ranks\": ["
+                      KR(0, 0, 2, 7, 8, ", \"key\": \"zz\"") "," KR(1, 2, 4, 8, 7, K2) "]}";
+    assert_int_equal(kvs_manifest_parse(bad, strlen(bad), mf, g_err, sizeof g_err), KVS_ERR_FORMAT);
+    assert_string_equal(g_err, "manifest: ranks[0].key must be a node public key: 64 hex digits");
+#undef KR
+#undef K1
+#undef K2
+    free(inv);
+    free(mf);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -503,6 +548,7 @@ int main(void)
         cmocka_unit_test(test_fetch_header),       cmocka_unit_test(test_load_errors_and_empty_model),
         cmocka_unit_test(test_manifest_strict),    cmocka_unit_test(test_default_ctx_from_model),
         cmocka_unit_test(test_manifest_relay),
+        cmocka_unit_test(test_keys),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

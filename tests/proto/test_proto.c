@@ -226,7 +226,7 @@ struct bad_case {
 };
 
 #define HDR(kind, flags, req, pos, ntok, plen)                                                                \
-    0x4b, 0x56, 0x53, 0x52, 0x01, 0x00, kind, flags, (req) & 0xff, 0, 0, 0, (pos) & 0xff, 0, 0, 0, (ntok) & 0xff, \
+    0x4b, 0x56, 0x53, 0x52, 0x02, 0x00, kind, flags, (req) & 0xff, 0, 0, 0, (pos) & 0xff, 0, 0, 0, (ntok) & 0xff, \
         ((ntok) >> 8) & 0xff, ((ntok) >> 16) & 0xff, ((ntok) >> 24) & 0xff, (plen) & 0xff, ((plen) >> 8) & 0xff, \
         ((plen) >> 16) & 0xff, ((plen) >> 24) & 0xff
 
@@ -238,8 +238,11 @@ static void test_bad_frames(void **state)
           "bad magic byte 0x53 at offset 3 (expected \"KVSR\")" },
         { "http garbage", { 'G', 'E', 'T', ' ' }, 4, 0, 0, KVS_ERR_FORMAT,
           "bad magic byte 0x47 at offset 0 (expected \"KVSR\")" },
-        { "version 2", { 0x4b, 0x56, 0x53, 0x52, 0x02, 0x00, 6, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 },
-          24, 0, 0, KVS_ERR_UNSUPPORTED, "protocol version 2, this build speaks 1" },
+        { "version 3", { 0x4b, 0x56, 0x53, 0x52, 0x03, 0x00, 6, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 },
+          24, 0, 0, KVS_ERR_UNSUPPORTED, "protocol version 3, this build speaks 2" },
+        { "version 1 (plaintext links before TLS)",
+          { 0x4b, 0x56, 0x53, 0x52, 0x01, 0x00, 6, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 },
+          24, 0, 0, KVS_ERR_UNSUPPORTED, "protocol version 1, this build speaks 2" },
         { "kind 0", { HDR(0, 0, 0, 0, 0, 0) }, 24, 0, 0, KVS_ERR_FORMAT, "unknown frame kind 0" },
         { "kind 10", { HDR(10, 0, 0, 0, 0, 0) }, 24, 0, 0, KVS_ERR_FORMAT, "unknown frame kind 10" },
         { "flags on END", { HDR(KVS_FRAME_END, 0x01, 1, 0, 0, 0) }, 24, 0, 0, KVS_ERR_FORMAT,

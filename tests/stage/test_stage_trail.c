@@ -74,6 +74,7 @@ static void test_trail(void **state)
     tp.n_threads = 1;
     tp.keepalive_ms = 50;
     tp.boundary_f32 = false;
+    tp.insecure = true; /* this test is about the trail (test_stage_refuse runs keyed rings) */
     struct kvs_stage *tail = NULL, *head = NULL;
     /* the stage's pool spin applies to its own pool only: the thread's setting is restored */
     assert_int_equal(kvs_pool_set_thread_spin(7), -1);

@@ -14,7 +14,7 @@ KVASIR = subprocess.os.environ.get('KVASIR_BIN', 'kvasir')
 
 
 def frame(kind, payload=b'', flags=0, req=0, pos=0, n=0):
-    return MAGIC + struct.pack('<HBBIIII', 1, kind, flags, req, pos, n, len(payload)) + payload
+    return MAGIC + struct.pack('<HBBIIII', 2, kind, flags, req, pos, n, len(payload)) + payload
 
 
 def parse(buf):
