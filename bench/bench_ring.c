@@ -35,7 +35,10 @@
  *             the single-process run uses; KVASIR_SPIN in the environment
  *             overrides both (see src/kernels/pool.c)
  *   --groups  the head's decode groups (kvs_stage_params.decode_groups,
- *             default 1: the 8 sequences step as one batch) Exit status: 0 when every target passes, 1 when one
+ *             default 1: the 8 sequences step as one batch)
+ *   --insecure  plaintext links (default: throw-away node keys, TLS 1.3 on
+ *             every link, as `kvasir run --ring`; bench_trust compares both)
+ * Exit status: 0 when every target passes, 1 when one
  * fails, 2 on error. */
 #include <errno.h>
 #include <libgen.h>
@@ -58,6 +61,7 @@
 #include "model/model.h"
 #include "proto/proto.h"
 #include "stage/stage.h"
+#include "trust/trust.h"
 
 extern char **environ;
 
@@ -281,11 +285,13 @@ int main(int argc, char **argv)
 {
     const char *model_path = NULL;
     long stage_spin = 0, groups = 1;
+    bool insecure = false;
     const char *kvasir = getenv("KVASIR_BIN");
     int n_threads = 2, n_tok = 40;
     char self_dir[PATH_MAX], kvasir_buf[PATH_MAX + 16];
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--model") && i + 1 < argc) model_path = argv[++i];
+        if (!strcmp(argv[i], "--insecure")) insecure = true;
+        else if (!strcmp(argv[i], "--model") && i + 1 < argc) model_path = argv[++i];
         else if (!strcmp(argv[i], "--kvasir") && i + 1 < argc) kvasir = argv[++i];
         else if (!strcmp(argv[i], "--groups") && i + 1 < argc) {
             char *end;
@@ -313,7 +319,7 @@ int main(int argc, char **argv)
             *(thr ? &n_threads : &n_tok) = (int)v;
         } else {
             fprintf(stderr, "usage: bench_ring [--model PATH] [--kvasir PATH] [--threads N] [--tokens N] "
-                            "[--stage-spin N] [--groups G]\n");
+                            "[--stage-spin N] [--groups G] [--insecure]\n");
             return 2;
         }
     }
@@ -375,6 +381,26 @@ int main(int argc, char **argv)
     struct kvs_stage *head = NULL;
     pthread_t th;
     bool running = false;
+    /* throw-away node keys: rank r's in key_dir/kR.key, public keys in hex for the flags */
+    char key_dir[] = "/tmp/kvasir-bench-keys-XXXXXX", key_path[N_STAGES][64], key_hex[N_STAGES][KVS_KEY_PUB_HEX + 1];
+    struct kvs_key *keys[N_STAGES] = { 0 };
+    if (!insecure) {
+        if (!mkdtemp(key_dir)) {
+            fprintf(stderr, "bench_ring: cannot make a key folder\n");
+            return 2;
+        }
+        for (int r = 0; r < N_STAGES; r++) {
+            uint8_t pub[KVS_KEY_PUB_BYTES];
+            snprintf(key_path[r], sizeof key_path[r], "%s/k%d.key", key_dir, r);
+            if (kvs_key_generate(&keys[r]) || kvs_key_save(keys[r], key_path[r], eb, sizeof eb)) {
+                fprintf(stderr, "bench_ring: cannot make node keys\n");
+                return 2;
+            }
+            kvs_key_public(keys[r], pub);
+            kvs_key_public_hex(pub, key_hex[r]);
+        }
+    }
+    printf("links: %s\n", insecure ? "plaintext (--insecure)" : "TLS 1.3 between throw-away node keys");
     for (int r = 1; r < N_STAGES; r++) {
         char a_win[32], a_listen[64], a_next[64];
         snprintf(a_win, sizeof a_win, "%u:%u", r * hp.n_block / N_STAGES, (r + 1) * hp.n_block / N_STAGES);
@@ -382,8 +408,12 @@ int main(int argc, char **argv)
         snprintf(a_next, sizeof a_next, "127.0.0.1:%d", port[(r + 1) % N_STAGES]);
         char *const args[] = { (char *)kvasir, "stage", "-m", (char *)model_path, "--window", a_win, "--listen",
                                a_listen, "--next", a_next, "--threads", a_thr, "--seqs", a_seq, "--ctx", a_ctx,
-                               "--spin", a_spin, NULL };
-        int e = posix_spawn(&pids[r], kvasir, NULL, NULL, args, environ);
+                               "--spin", a_spin, insecure ? "--insecure" : "--key", key_path[r],
+                               "--prev-key", key_hex[r - 1], "--next-key", key_hex[(r + 1) % N_STAGES], NULL };
+        char *const args_insecure[] = { (char *)kvasir, "stage", "-m", (char *)model_path, "--window", a_win,
+                                        "--listen", a_listen, "--next", a_next, "--threads", a_thr, "--seqs", a_seq,
+                                        "--ctx", a_ctx, "--spin", a_spin, "--insecure", NULL };
+        int e = posix_spawn(&pids[r], kvasir, NULL, NULL, insecure ? args_insecure : args, environ);
         if (e) {
             fprintf(stderr, "bench_ring: cannot start %s stage: %s\n", kvasir, strerror(e));
             pids[r] = 0;
@@ -404,6 +434,13 @@ int main(int argc, char **argv)
     sp.n_seq = N_CONC;
     sp.pool_spin = (int32_t)stage_spin;
     sp.decode_groups = (int32_t)groups;
+    sp.insecure = insecure;
+    if (!insecure) {
+        sp.key = keys[0];
+        sp.has_prev_key = sp.has_next_key = true;
+        kvs_key_public(keys[N_STAGES - 1], sp.prev_key);
+        kvs_key_public(keys[1], sp.next_key);
+    }
     if (kvs_stage_create(&sp, &head, eb, sizeof eb)) {
         fprintf(stderr, "bench_ring: head stage: %s\n", eb);
         goto done;
@@ -522,6 +559,11 @@ done:
     for (int r = 1; r < N_STAGES; r++)
         if (pids[r] > 0) waitpid(pids[r], NULL, 0);
     kvs_stage_free(head);
+    for (int r = 0; r < N_STAGES && !insecure; r++) {
+        kvs_key_free(keys[r]);
+        unlink(key_path[r]);
+    }
+    if (!insecure) rmdir(key_dir);
     fflush(stdout);
     return rc;
 }
