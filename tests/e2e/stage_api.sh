@@ -30,7 +30,6 @@ case "$out" in
 esac
 
 # A stage refuses a shard whose window does not cover its assignment.
-T=$(mktemp -d); trap 'cleanup; rm -rf "$T"' EXIT
 "$BIN" shard extract -m "$M" --window 2:4 -o "$T/s24.gguf" >/dev/null 2>&1
 if "$BIN" stage -m "$T/s24.gguf" --window 1:3 --listen 127.0.0.1:$(free_port) --next 127.0.0.1:$P0 2>"$T/err"; then
   echo "FAIL: stage accepted a shard of [2,4) for [1,3)"; exit 1
@@ -41,8 +40,8 @@ echo "stage refuses a mismatched shard: OK"
 # A head whose successor serves another model: /health and requests say why.
 L=${KVASIR_SHARED}/models/llama-f32.gguf
 Q0=$(free_port); Q1=$(free_port); QA=$(free_port)
-"$BIN" stage -m "$L" --window 2:4 --listen 127.0.0.1:$Q1 --next 127.0.0.1:$(free_port) 2>/dev/null & pids+=($!)
-"$BIN" stage -m "$M" --window 0:2 --listen 127.0.0.1:$Q0 --next 127.0.0.1:$Q1 --api $QA 2>/dev/null & pids+=($!)
+"$BIN" stage -m "$L" --window 2:4 $(key_args "$T" 1 2) --listen 127.0.0.1:$Q1 --next 127.0.0.1:$(free_port) 2>/dev/null & pids+=($!)
+"$BIN" stage -m "$M" --window 0:2 $(key_args "$T" 0 2) --listen 127.0.0.1:$Q0 --next 127.0.0.1:$Q1 --api $QA 2>/dev/null & pids+=($!)
 for _ in $(seq 200); do # up to 20 s: under ctest -j2 both stages load beside other tests
   h=$(curl -s http://127.0.0.1:$QA/health || true)
   case "$h" in *"refused this stage: it serves model"*) break ;; esac
