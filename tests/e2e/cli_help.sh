@@ -5,7 +5,7 @@ set -euo pipefail
 K=${KVASIR_BIN:?KVASIR_BIN unset}
 fail() { echo "FAIL: $*" >&2; exit 1; }
 n=0
-for c in "" run serve stage eval plan seed bench tokenize relay "gguf" "gguf info" "gguf synth" "shard" \
+for c in "" run serve stage eval plan seed bench tokenize relay key "gguf" "gguf info" "gguf synth" "shard" \
          "shard extract" "shard index" "shard fetch"; do
     # shellcheck disable=SC2086
     out=$("$K" $c --help 2>/dev/null) || fail "kvasir $c --help exits $?"
