@@ -3,8 +3,8 @@
 # sudo). Safe to rerun: only missing packages are installed.
 set -euo pipefail
 PKGS="build-essential cmake pkg-config python3 clang libclang-rt-14-dev libcurl4-openssl-dev \
-libmicrohttpd-dev libssl-dev libjansson-dev libpcre2-dev libcmocka-dev libwebsockets-dev \
-iproute2 nftables openssl lighttpd curl"
+libmicrohttpd-dev libssl-dev libjansson-dev libpcre2-dev libcmocka-dev libwebsockets-dev libsqlite3-dev \
+iproute2 nftables openssl lighttpd curl chromium"
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"
 missing=""

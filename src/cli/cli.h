@@ -28,6 +28,8 @@ int kvs_cli_plan(int argc, char **argv);     /* rank manifest from devices */
 int kvs_cli_bench(int argc, char **argv);    /* bench --probe */
 int kvs_cli_relay(int argc, char **argv);    /* WebSocket relay for ring edges */
 int kvs_cli_key(int argc, char **argv);      /* key gen | key show */
+int kvs_cli_market(int argc, char **argv);   /* the market service | market add */
+int kvs_cli_join(int argc, char **argv);     /* enroll through a market and serve a window */
 
 /* Option values. kvs_cli_parse_long reads a whole decimal integer in [lo, hi];
  * kvs_cli_parse_float a whole finite float (not NaN, not infinity). Both return 0 and set *out,

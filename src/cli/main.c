@@ -19,6 +19,8 @@ static const struct kvs_cli_command commands[] = {
     { "eval", "evaluate token ids teacher-forced; JSON top-k per position", kvs_cli_eval },
     { "gguf", "inspect (info) or create (synth) GGUF files", kvs_cli_gguf },
     { "key", "make (gen) or print (show) a node's identity key", kvs_cli_key },
+    { "join", "enroll this machine through a market: claim, fetch and serve a window", kvs_cli_join },
+    { "market", "the self-enrollment market: listings, claims, leases, the map", kvs_cli_market },
     { "plan", "place a model's blocks on devices: write a rank manifest", kvs_cli_plan },
     { "relay", "WebSocket bridge for ring edges of stages behind NAT", kvs_cli_relay },
     { "run", "generate text from a prompt (one process, or a local ring)", kvs_cli_run },

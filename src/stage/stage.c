@@ -238,6 +238,27 @@ void kvs_stage_free(struct kvs_stage *s)
     free(s);
 }
 
+kvs_err kvs_stage_set_next(struct kvs_stage *s, const char *next, char *errbuf, size_t errlen)
+{
+    char host[256], why[256] = "";
+    uint16_t port;
+    if (s->solo) {
+        snprintf(errbuf, errlen, "stage [%d,%d) holds the whole model: it has no successor", (int)s->begin, (int)s->end);
+        return KVS_ERR_ARG;
+    }
+    bool too_long = next && strlen(next) >= sizeof s->new_next;
+    if (!next || too_long || kvs_addr_parse(next, host, sizeof host, &port, why, sizeof why) != KVS_OK) {
+        snprintf(errbuf, errlen, "next address '%.200s': %s", next ? next : "(null)", too_long ? "too long" : why);
+        return KVS_ERR_ARG;
+    }
+    pthread_mutex_lock(&s->mu);
+    snprintf(s->new_next, sizeof s->new_next, "%s", next);
+    s->next_changed = true;
+    pthread_mutex_unlock(&s->mu);
+    wake(s);
+    return KVS_OK;
+}
+
 uint16_t kvs_stage_listen_port(const struct kvs_stage *s)
 {
     return kvs_listener_port(s->lst);

@@ -86,6 +86,14 @@ kvs_err kvs_stage_run(struct kvs_stage *s);
 /* Asks the loop to return (thread-safe; also async-signal-safe). */
 void kvs_stage_stop(struct kvs_stage *s);
 
+/* Re-points the stage at another successor ("HOST:PORT"), e.g. when the
+ * market's map names a new node for the following window. Thread-safe: the
+ * loop closes the link to the old successor (requests in flight through it
+ * fail as on a lost link, PROTOCOL.md §5) and dials the new one at once.
+ * Errors: KVS_ERR_ARG (malformed address, or a whole-model stage, which has
+ * no successor); errbuf says why. */
+kvs_err kvs_stage_set_next(struct kvs_stage *s, const char *next, char *errbuf, size_t errlen);
+
 /* The port actually listened on (useful with port 0). */
 uint16_t kvs_stage_listen_port(const struct kvs_stage *s);
 bool kvs_stage_is_head(const struct kvs_stage *s);

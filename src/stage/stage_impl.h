@@ -129,6 +129,8 @@ struct kvs_stage {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool stopped;
+    bool next_changed;            /* kvs_stage_set_next: new_next waits for the loop (apply_next) */
+    char new_next[256];
     struct queued *queue[MAX_QUEUE];
     int n_queue;
     uint32_t cancels[MAX_CANCELS];

@@ -149,8 +149,35 @@ static bool in_pending(struct kvs_stage *s)
     return poll(&pf, 1, 0) > 0;
 }
 
+/* Takes a successor address set by kvs_stage_set_next: the link to the old
+ * successor is closed (requests in flight through it fail as on a lost link)
+ * and the new one is dialled at once. */
+static void apply_next(struct kvs_stage *s)
+{
+    char nx[sizeof s->new_next];
+    pthread_mutex_lock(&s->mu);
+    bool changed = s->next_changed;
+    if (changed) {
+        memcpy(nx, s->new_next, sizeof nx);
+        s->next_changed = false;
+        s->out_refusal_code = KVS_OK;
+        s->out_refusal[0] = '\0';
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (!changed || !strcmp(nx, s->next_addr)) return;
+    KVS_LOGI("stage [%d,%d): successor moves from %s to %s", (int)s->begin, (int)s->end, s->next_addr, nx);
+    if (s->out) kvs_st_out_lost(s, "the successor moved");
+    snprintf(s->next_addr, sizeof s->next_addr, "%s", nx);
+    s->p.next = s->next_addr;
+    s->out_attempt = 0;
+    s->out_refused = 0;
+    s->out_warned = false;
+    s->out_next_dial = kvs_link_now_ms();
+}
+
 static void timers(struct kvs_stage *s)
 {
+    apply_next(s);
     int64_t now = kvs_link_now_ms();
     for (int i = 0; i < MAX_PENDING_LINKS; i++)
         if (s->pend[i].l && now - s->pend[i].since > HANDSHAKE_MS) {
