@@ -536,9 +536,9 @@ static kvs_err fetch(struct node *n, char *out, size_t cap)
     }
     /* one line on stdout that tests and operators can read */
     printf("join: fetched %s [%u,%u): header_bytes=%" PRIu64 " data_bytes=%" PRIu64 " window_bytes=%" PRIu64
-           " skipped_bytes=%" PRIu64 " verified=%s ms=%" PRId64 " -> %s\n",
-           n->pk.model, n->pk.begin, n->pk.end, st.header_bytes, st.data_bytes, st.window_bytes, st.skipped_bytes,
-           st.verified ? "yes" : "no", mono_ms() - t0, out);
+           " header_reused_bytes=%" PRIu64 " skipped_bytes=%" PRIu64 " verified=%s ms=%" PRId64 " -> %s\n",
+           n->pk.model, n->pk.begin, n->pk.end, st.header_bytes, st.data_bytes, st.window_bytes, st.header_reused_bytes,
+           st.skipped_bytes, st.verified ? "yes" : "no", mono_ms() - t0, out);
     fflush(stdout);
     return KVS_OK;
 }
