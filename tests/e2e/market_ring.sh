@@ -33,7 +33,7 @@ fail() {
   for f in "$T"/*.log; do echo "--- $f"; tail -15 "$f"; done
   exit 1
 }
-LEASE=2000
+LEASE=3000
 REF=', pixels unfolding like petals. Classifications unfold, a kaleidoscope of probability revealing hidden patterns. Classific'
 now() { date +%s.%N; }
 since() { python3 -c "import sys; print('%.2f' % (float(sys.argv[2]) - float(sys.argv[1])))" "$1" "$(now)"; }
