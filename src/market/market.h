@@ -116,7 +116,8 @@ double kvs_market_demand(uint64_t queued, double tps);
 
 /* Profile <-> JSON ("profile" of a listing in /map; docs/MARKET.md):
  * {"n_block","n_embd","n_vocab","ctx_train","common","head","head_stream","tail",
- *  "tail_stream","tied","blocks":[[weight_bytes, stream_bytes, kv_bytes_per_token], ...]}.
+ *  "tail_stream","tied","blocks":[[weight_bytes, stream_bytes, kv_bytes_per_token,
+ *  state_bytes_per_sequence], ...]}.
  * kvs_market_profile_json returns a malloc'd string (NULL: no memory).
  * kvs_market_profile_parse fills *m (caller's storage; fingerprint copied from
  * fingerprint or ""); errors KVS_ERR_FORMAT / KVS_ERR_RANGE. */

@@ -299,8 +299,9 @@ char *kvs_market_profile_json(const struct kvs_plan_model *m)
 {
     json_t *blocks = json_array();
     for (uint32_t i = 0; blocks && i < m->n_block; i++)
-        json_array_append_new(blocks, json_pack("[III]", (json_int_t)m->block_weight_bytes[i],
-                                                (json_int_t)m->block_stream_bytes[i], (json_int_t)m->block_kv_bytes[i]));
+        json_array_append_new(blocks, json_pack("[IIII]", (json_int_t)m->block_weight_bytes[i],
+                                                (json_int_t)m->block_stream_bytes[i], (json_int_t)m->block_kv_bytes[i],
+                                                (json_int_t)m->block_state_bytes[i]));
     json_t *o = json_pack("{sI sI sI sI sI sI sI sI sI sI so}", "n_block", (json_int_t)m->n_block, "n_embd",
                           (json_int_t)m->n_embd, "n_vocab", (json_int_t)m->n_vocab, "ctx_train",
                           (json_int_t)m->ctx_train, "common", (json_int_t)m->common_bytes, "head",
@@ -342,17 +343,19 @@ static kvs_err profile_from(json_t *o, struct kvs_plan_model *m, char *errbuf, s
         return fail(KVS_ERR_FORMAT, errbuf, errlen, "profile: 'blocks' must be an array of n_block entries");
     for (size_t i = 0; i < nb; i++) {
         json_t *e = json_array_get(b, i);
-        uint64_t v[3];
-        for (size_t k = 0; k < 3; k++) {
+        uint64_t v[4];
+        for (size_t k = 0; k < 4; k++) {
             json_t *x = json_array_get(e, k);
-            if (!json_is_array(e) || json_array_size(e) != 3 || !json_is_integer(x) || json_integer_value(x) < 0 ||
+            if (!json_is_array(e) || json_array_size(e) != 4 || !json_is_integer(x) || json_integer_value(x) < 0 ||
                 (uint64_t)json_integer_value(x) > big)
-                return fail(KVS_ERR_FORMAT, errbuf, errlen, "profile: block %zu must be [weights, stream, kv]", i);
+                return fail(KVS_ERR_FORMAT, errbuf, errlen, "profile: block %zu must be [weights, stream, kv, state]",
+                            i);
             v[k] = (uint64_t)json_integer_value(x);
         }
         m->block_weight_bytes[i] = v[0];
         m->block_stream_bytes[i] = v[1];
         m->block_kv_bytes[i] = v[2];
+        m->block_state_bytes[i] = v[3];
     }
     return KVS_OK;
 }

@@ -158,6 +158,29 @@ static void test_parsers(void **state)
             fail_msg("listing body '%s' accepted", lbad[i]);
 }
 
+static void test_profile_roundtrip(void **state)
+{
+    (void)state;
+    struct kvs_plan_model *m = toy_profile(), *back = calloc(1, sizeof *back);
+    m->block_kv_bytes[3] = 512;
+    m->block_state_bytes[1] = 70000; /* a Gated DeltaNet block: fixed state per sequence */
+    m->tied_bytes = 9;
+    char *j = kvs_market_profile_json(m), err[256];
+    assert_non_null(j);
+    assert_int_equal(kvs_market_profile_parse(j, strlen(j), back, err, sizeof err), KVS_OK);
+    assert_int_equal(back->n_block, 4);
+    assert_int_equal(back->block_state_bytes[1], 70000);
+    assert_int_equal(back->block_kv_bytes[3], 512);
+    assert_int_equal(back->tied_bytes, 9);
+    assert_int_equal(back->head_bytes, 100);
+    free(j);
+    const char *bad = "{\"n_block\":1,\"n_embd\":1,\"n_vocab\":1,\"ctx_train\":0,\"common\":0,\"head\":0,"
+                      "\"head_stream\":0,\"tail\":0,\"tail_stream\":0,\"tied\":0,\"blocks\":[[1,1,1]]}";
+    assert_int_equal(kvs_market_profile_parse(bad, strlen(bad), back, err, sizeof err), KVS_ERR_FORMAT);
+    free(m);
+    free(back);
+}
+
 static void test_bad_input_changes_nothing(void **state)
 {
     (void)state;
@@ -457,7 +480,8 @@ static void test_races(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_parsers),          cmocka_unit_test(test_bad_input_changes_nothing),
+        cmocka_unit_test(test_parsers),          cmocka_unit_test(test_profile_roundtrip),
+        cmocka_unit_test(test_bad_input_changes_nothing),
         cmocka_unit_test(test_leases_and_reward), cmocka_unit_test(test_choose),
         cmocka_unit_test(test_restart_keeps_claims), cmocka_unit_test(test_races),
     };
