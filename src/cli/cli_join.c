@@ -326,6 +326,11 @@ static enum serve_end serve(struct node *n, const char *shard)
     p.n_seq = (int32_t)n->pk.seqs;
     p.boundary_f32 = n->pk.boundary_f32;
     p.fingerprint = n->pk.fingerprint[0] ? n->pk.fingerprint : NULL;
+    /* Node keys are not yet published in claims and checked against the map (docs/MARKET.md,
+     * "Known limits"): a market-formed ring's links are plaintext for now, and say so. */
+    p.insecure = true;
+    KVS_LOGW("join: the links of [%u,%u) are plaintext and unauthenticated (node keys through the market are not done yet)",
+             n->pk.begin, n->pk.end);
     struct kvs_stage *s = NULL;
     kvs_err e = kvs_stage_create(&p, &s, err, sizeof err);
     if (e) {
