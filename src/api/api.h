@@ -46,13 +46,21 @@ struct kvs_api_params {
                                 * has no template or one of another family, as llama-server does
                                 * (then with BOS when the tokenizer adds one, as for a completion) */
     size_t max_body;         /* request body cap in bytes (default 1 MiB) -> 413 above it */
-    int32_t max_connections; /* concurrent connections (default 64) */
+    int32_t max_connections; /* concurrent connections (default 64); a connection past it evicts the oldest
+                                one still sending its request, or, when all are being served, is
+                                answered 503 */
+    int32_t max_per_addr;    /* of those, from one client IPv4 address (default 16); more: 503 */
+    int32_t request_timeout_s; /* a connection must send a whole request (headers and body) within this
+                                  many seconds of its accept or of the end of its previous request
+                                  (default 30), else it is closed: slow senders cannot hold slots */
     int32_t stage_index;     /* label of this stage in /metrics (default 0) */
     const char *api_key;     /* NULL: open. Else (copied; 1..255 bytes of visible ASCII) every /v1/ route
                               * (and unknown routes) needs "Authorization: Bearer API_KEY": without it
                               * 401 with OpenAI's error shape, code "invalid_api_key" */
     bool auth_all;           /* with api_key: /health and /metrics need it too (default: they stay
                               * open, for load balancers and Prometheus on a private network) */
+    bool chat_parse_special; /* chat: parse special-token texts inside message content too (the old,
+                                injectable way; default false: content is plain text, kvs_chat_tokenize) */
 };
 struct kvs_api_params kvs_api_default_params(void);
 

@@ -38,6 +38,7 @@ struct kvs_api {
     enum kvs_chat_template chat;
     bool chat_fallback; /* ChatML chosen for a model without a template: BOS as its tokenizer says */
     struct MHD_Daemon *d;
+    struct kvs_api_gate *gate; /* listening socket, limits, request deadline (api_gate.c) */
     uint16_t port;
     volatile int stopping; /* read by connection threads; set once by kvs_api_stop */
     pthread_mutex_t mu;    /* ids */
@@ -504,6 +505,33 @@ static kvs_err tokenize_text(const struct kvs_tokenizer *tok, const char *text, 
     return KVS_ERR_INTERNAL;
 }
 
+/* The chat's ids: template markup as special tokens, the messages' text as
+ * plain text unless the server was started with chat_parse_special
+ * (kvs_chat_tokenize). */
+static kvs_err tokenize_chat(struct kvs_api *a, const struct kvs_api_request *rq, int32_t **ids, int32_t *n)
+{
+    int32_t bos = (a->chat_fallback || kvs_chat_wants_bos(a->chat)) && kvs_tokenizer_add_bos(a->tok)
+                      ? kvs_tokenizer_bos(a->tok)
+                      : -1;
+    int64_t need = kvs_chat_tokenize(a->chat, a->tok, rq->messages, rq->n_messages, true, a->p.chat_parse_special,
+                                     NULL, 0);
+    if (need < 0) return (kvs_err)-need;
+    if (need > INT32_MAX - 1) return KVS_ERR_RANGE;
+    int32_t off = bos >= 0;
+    int32_t *buf = malloc((size_t)(need + off ? need + off : 1) * sizeof *buf);
+    if (!buf) return KVS_ERR_NOMEM;
+    if (off) buf[0] = bos;
+    int64_t r = kvs_chat_tokenize(a->chat, a->tok, rq->messages, rq->n_messages, true, a->p.chat_parse_special,
+                                  buf + off, need);
+    if (r != need) {
+        free(buf);
+        return r < 0 ? (kvs_err)-r : KVS_ERR_INTERNAL;
+    }
+    *ids = buf;
+    *n = (int32_t)r + off;
+    return KVS_OK;
+}
+
 /* Builds the prompt ids of a parsed request. On failure fills *err. */
 static kvs_err build_prompt(struct kvs_api *a, struct job *j, int32_t **ids, int32_t *n, struct kvs_api_error *err)
 {
@@ -515,18 +543,7 @@ static kvs_err build_prompt(struct kvs_api *a, struct job *j, int32_t **ids, int
                               "model '%s' has no supported chat template: use /v1/completions", a->model);
             return KVS_ERR_UNSUPPORTED;
         }
-        long need = kvs_chat_render(a->chat, rq->messages, rq->n_messages, true, NULL, 0);
-        if (need < 0 || (size_t)need > 64u << 20) {
-            kvs_api_error_set(err, 400, "invalid_request_error", "messages", NULL, "cannot render the chat: %s",
-                              kvs_strerror(need < 0 ? (kvs_err)-need : KVS_ERR_RANGE));
-            return KVS_ERR_ARG;
-        }
-        char *s = malloc((size_t)need + 1);
-        if (!s) goto nomem;
-        kvs_chat_render(a->chat, rq->messages, rq->n_messages, true, s, (size_t)need + 1);
-        bool bos = (a->chat_fallback || kvs_chat_wants_bos(a->chat)) && kvs_tokenizer_add_bos(a->tok);
-        e = tokenize_text(a->tok, s, (size_t)need, bos, ids, n);
-        free(s);
+        e = tokenize_chat(a, rq, ids, n);
     } else if (rq->prompt) {
         e = tokenize_text(a->tok, rq->prompt, rq->prompt_len, kvs_tokenizer_add_bos(a->tok), ids, n);
         if (!e && rq->echo && !kvs_api_buf_add(&j->echo, rq->prompt, rq->prompt_len)) e = KVS_ERR_NOMEM;
@@ -858,6 +875,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         /* A body a little over the cap is read and dropped, so that the client
          * (still writing) gets the 413 instead of a broken pipe. */
         if (huge) {
+            kvs_api_gate_received(a->gate, c);
             char msg[128];
             snprintf(msg, sizeof msg, "request body exceeds %zu bytes", a->p.max_body);
             count_status(a, KVS_API_STATUS_INVALID);
@@ -895,6 +913,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         return MHD_YES;
     }
     /* the whole request is in */
+    kvs_api_gate_received(a->gate, c);
     if (cc->unauthorized) return send_unauthorized(a, c);
     if (rt == ROUTE_NONE) {
         char msg[200];
@@ -937,6 +956,8 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
 
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe)
 {
+    struct kvs_api *a = cls;
+    kvs_api_gate_request_done(a->gate, c);
     struct conn_ctx *cc = *con_cls;
     if (cc) {
         free(cc->body);
@@ -965,6 +986,8 @@ struct kvs_api_params kvs_api_default_params(void)
     p.bind_addr = "127.0.0.1";
     p.max_body = 1u << 20;
     p.max_connections = 64;
+    p.max_per_addr = 16;
+    p.request_timeout_s = 30;
     return p;
 }
 
@@ -984,7 +1007,8 @@ kvs_err kvs_api_start(struct kvs_stage *head, const struct kvs_api_params *p, st
 {
     *out = NULL;
     if (!head || !p || !kvs_stage_is_head(head) || !kvs_stage_tokenizer(head) || p->max_body == 0 ||
-        p->max_connections < 1) {
+        p->max_connections < 1 || p->max_connections > (1 << 16) || p->max_per_addr < 1 ||
+        p->request_timeout_s < 1) {
         snprintf(errbuf, errlen, "kvs_api_start needs a head stage and valid params");
         return KVS_ERR_ARG;
     }
@@ -1050,31 +1074,36 @@ kvs_err kvs_api_start(struct kvs_stage *head, const struct kvs_api_params *p, st
         }
     }
 
-    struct sockaddr_in sa = { 0 };
-    sa.sin_family = AF_INET;
-    sa.sin_port = htons(p->port);
-    if (inet_pton(AF_INET, a->p.bind_addr, &sa.sin_addr) != 1) {
-        snprintf(errbuf, errlen, "bad bind address '%s' (want an IPv4 address)", a->p.bind_addr);
-        e = KVS_ERR_ARG;
-        goto fail;
-    }
+    e = kvs_api_gate_open(a->p.bind_addr, p->port, p->max_connections, a->p.max_per_addr, a->p.request_timeout_s,
+                          &a->met, &a->gate, errbuf, errlen);
+    if (e) goto fail;
+    /* MHD's own limit never binds (the gate admits at most 2 * max_connections,
+     * evicted ones included); its timeout is the idle one. */
     a->d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
-                                MHD_USE_ERROR_LOG,
-                            p->port, NULL, NULL, on_access, a, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
-                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, a, MHD_OPTION_CONNECTION_LIMIT,
-                            (unsigned int)p->max_connections, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)120,
-                            MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, a, MHD_OPTION_END);
+                                MHD_USE_ITC | MHD_USE_NO_LISTEN_SOCKET | MHD_USE_ERROR_LOG,
+                            0, NULL, NULL, on_access, a, MHD_OPTION_NOTIFY_COMPLETED, on_completed, a,
+                            MHD_OPTION_NOTIFY_CONNECTION, kvs_api_gate_notify, a->gate,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned int)(4 * p->max_connections + 16),
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)120, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log,
+                            a, MHD_OPTION_END);
     if (!a->d) {
-        snprintf(errbuf, errlen, "cannot listen on %s:%u (in use?)", a->p.bind_addr, (unsigned)p->port);
+        snprintf(errbuf, errlen, "cannot start the HTTP server");
         e = KVS_ERR_NET;
         goto fail;
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(a->d, MHD_DAEMON_INFO_BIND_PORT);
-    a->port = di ? di->port : p->port;
+    e = kvs_api_gate_run(a->gate, a->d);
+    if (e) {
+        snprintf(errbuf, errlen, "cannot start the API's accept thread");
+        goto fail;
+    }
+    a->port = kvs_api_gate_port(a->gate);
     KVS_LOGI("api: listening on http://%s:%u", a->p.bind_addr, (unsigned)a->port);
     *out = a;
     return KVS_OK;
 fail:
+    kvs_api_gate_stop(a->gate);
+    if (a->d) MHD_stop_daemon(a->d);
+    kvs_api_gate_free(a->gate);
     kvs_api_metrics_destroy(&a->met);
     pthread_mutex_destroy(&a->mu);
     free(a);
@@ -1090,7 +1119,9 @@ void kvs_api_stop(struct kvs_api *a)
 {
     if (!a) return;
     __atomic_store_n(&a->stopping, 1, __ATOMIC_RELEASE);
+    kvs_api_gate_stop(a->gate);      /* no new connections */
     if (a->d) MHD_stop_daemon(a->d); /* joins the connection threads; their jobs cancel themselves */
+    kvs_api_gate_free(a->gate);
     kvs_api_metrics_destroy(&a->met);
     pthread_mutex_destroy(&a->mu);
     free(a);

@@ -118,6 +118,15 @@ bool kvs_api_metrics_render(struct kvs_api_metrics *m, const struct kvs_stage_me
                                   "kvasir_http_requests_in_flight %lld\n",
                                   (unsigned long long)m->tokens_generated, (unsigned long long)m->prompt_tokens,
                                   (long long)m->in_flight);
+    static const char *const conn_names[KVS_API_CONN_COUNT_] = { "accepted", "refused_full", "refused_address",
+                                                                 "timed_out", "evicted" };
+    ok = ok && kvs_api_buf_printf(b, "# HELP kvasir_http_connections_total HTTP connections at the API's door by "
+                                     "outcome (refused: answered 503; timed_out/evicted: closed before a whole "
+                                     "request came).\n"
+                                     "# TYPE kvasir_http_connections_total counter\n");
+    for (int i = 0; i < KVS_API_CONN_COUNT_; i++)
+        ok = ok && kvs_api_buf_printf(b, "kvasir_http_connections_total{outcome=\"%s\"} %llu\n", conn_names[i],
+                                      (unsigned long long)m->connections[i]);
     ok = ok && hist_render(&m->request_seconds, "kvasir_request_seconds",
                            "Time from admission to the last byte of a generation request.", b);
     ok = ok && hist_render(&m->token_roundtrip, "kvasir_token_roundtrip_seconds",

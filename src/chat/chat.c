@@ -4,7 +4,10 @@
 
 #include <limits.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "tokenizer/tokenizer.h"
 
 static bool contains(const char *s, size_t n, const char *lit)
 {
@@ -47,6 +50,58 @@ enum kvs_chat_template kvs_chat_from_name(const char *name)
     return KVS_CHAT_NONE;
 }
 
+/* The rendering as a sequence of pieces: markup pieces that are special-token
+ * texts (special = true) and text pieces (the template's plain markup such as
+ * "\n", the role, the content). emit gets each piece in order. */
+typedef void (*piece_fn)(void *ctx, const char *s, bool special);
+
+static void walk(enum kvs_chat_template t, const struct kvs_chat_message *msgs, size_t n,
+                 bool add_generation_prompt, piece_fn emit, void *ctx)
+{
+    if (t == KVS_CHAT_CHATML) {
+        for (size_t i = 0; i < n; i++) {
+            emit(ctx, "<|im_start|>", true);
+            emit(ctx, msgs[i].role, false);
+            emit(ctx, "\n", false);
+            emit(ctx, msgs[i].content, false);
+            emit(ctx, "<|im_end|>", true);
+            emit(ctx, "\n", false);
+        }
+        if (add_generation_prompt) {
+            emit(ctx, "<|im_start|>", true);
+            emit(ctx, "assistant\n", false);
+        }
+    } else {
+        emit(ctx, "<|begin_of_text|>", true);
+        for (size_t i = 0; i < n; i++) {
+            emit(ctx, "<|start_header_id|>", true);
+            emit(ctx, msgs[i].role, false);
+            emit(ctx, "<|end_header_id|>", true);
+            emit(ctx, "\n\n", false);
+            emit(ctx, msgs[i].content, false);
+            emit(ctx, "<|eot_id|>", true);
+        }
+        if (add_generation_prompt) {
+            emit(ctx, "<|start_header_id|>", true);
+            emit(ctx, "assistant", false);
+            emit(ctx, "<|end_header_id|>", true);
+            emit(ctx, "\n\n", false);
+        }
+    }
+}
+
+static kvs_err check_args(enum kvs_chat_template t, const struct kvs_chat_message *msgs, size_t n)
+{
+    if (t != KVS_CHAT_CHATML && t != KVS_CHAT_LLAMA3)
+        return KVS_ERR_UNSUPPORTED;
+    if (!msgs && n)
+        return KVS_ERR_ARG;
+    for (size_t i = 0; i < n; i++)
+        if (!msgs[i].role || !msgs[i].content)
+            return KVS_ERR_ARG;
+    return KVS_OK;
+}
+
 /* Appends to out while there is room (keeping one byte for the NUL) and
  * counts everything; flags overflow of the count. */
 struct strbuf {
@@ -55,8 +110,10 @@ struct strbuf {
     bool overflow;
 };
 
-static void put(struct strbuf *b, const char *s)
+static void put(void *ctx, const char *s, bool special)
 {
+    (void)special;
+    struct strbuf *b = ctx;
     size_t l = strlen(s);
     if (l > SIZE_MAX - b->n) {
         b->overflow = true;
@@ -72,39 +129,106 @@ static void put(struct strbuf *b, const char *s)
 long kvs_chat_render(enum kvs_chat_template t, const struct kvs_chat_message *msgs, size_t n,
                      bool add_generation_prompt, char *out, size_t cap)
 {
-    if (t != KVS_CHAT_CHATML && t != KVS_CHAT_LLAMA3)
-        return -(long)KVS_ERR_UNSUPPORTED;
-    if ((!msgs && n) || (!out && cap))
+    kvs_err e = check_args(t, msgs, n);
+    if (e)
+        return -(long)e;
+    if (!out && cap)
         return -(long)KVS_ERR_ARG;
-    for (size_t i = 0; i < n; i++)
-        if (!msgs[i].role || !msgs[i].content)
-            return -(long)KVS_ERR_ARG;
     struct strbuf b = { out, cap, 0, false };
-    if (t == KVS_CHAT_CHATML) {
-        for (size_t i = 0; i < n; i++) {
-            put(&b, "<|im_start|>");
-            put(&b, msgs[i].role);
-            put(&b, "\n");
-            put(&b, msgs[i].content);
-            put(&b, "<|im_end|>\n");
-        }
-        if (add_generation_prompt)
-            put(&b, "<|im_start|>assistant\n");
-    } else {
-        put(&b, "<|begin_of_text|>");
-        for (size_t i = 0; i < n; i++) {
-            put(&b, "<|start_header_id|>");
-            put(&b, msgs[i].role);
-            put(&b, "<|end_header_id|>\n\n");
-            put(&b, msgs[i].content);
-            put(&b, "<|eot_id|>");
-        }
-        if (add_generation_prompt)
-            put(&b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
-    }
+    walk(t, msgs, n, add_generation_prompt, put, &b);
     if (b.overflow || b.n > (size_t)LONG_MAX)
         return -(long)KVS_ERR_RANGE;
     if (cap)
         out[b.n < cap ? b.n : cap - 1] = 0;
     return (long)b.n;
+}
+
+/* Tokenizing sink: text pieces gather into one run (so that a role, its
+ * "\n" and the content are one fragment, as in the rendered string) and
+ * are tokenized when the next special piece (or the end) comes. */
+struct toksink {
+    const struct kvs_tokenizer *tok;
+    bool content_special;
+    char *run;
+    size_t len, cap;
+    int32_t *out;
+    int64_t cap_out, n;
+    kvs_err err;
+};
+
+static void tok_add(struct toksink *s, const char *text, size_t len, bool special)
+{
+    if (s->err || !len)
+        return;
+    int64_t room = s->n < s->cap_out ? s->cap_out - s->n : 0;
+    int64_t r = kvs_tokenize(s->tok, text, len, false, special, room ? s->out + s->n : NULL, room);
+    if (r < 0) {
+        s->err = (kvs_err)-r;
+        return;
+    }
+    if (r > INT64_MAX - s->n) {
+        s->err = KVS_ERR_RANGE;
+        return;
+    }
+    s->n += r;
+}
+
+static void tok_flush(struct toksink *s)
+{
+    tok_add(s, s->run, s->len, s->content_special);
+    s->len = 0;
+}
+
+static void tok_piece(void *ctx, const char *text, bool special)
+{
+    struct toksink *s = ctx;
+    if (s->err)
+        return;
+    size_t l = strlen(text);
+    if (special) {
+        /* markup that is one CONTROL token of this vocabulary (its plain
+         * piece is empty); otherwise (a ChatML fallback on a vocabulary
+         * without <|im_start|>, say) it is text of the run, as it would be
+         * in the rendered string */
+        int32_t id[2];
+        if (kvs_tokenize(s->tok, text, l, false, true, id, 2) == 1 && kvs_token_to_piece(s->tok, id[0], false, NULL, 0) == 0) {
+            tok_flush(s);
+            tok_add(s, text, l, true);
+            return;
+        }
+    }
+    if (l > SIZE_MAX / 2 - s->len) {
+        s->err = KVS_ERR_RANGE;
+        return;
+    }
+    if (s->len + l > s->cap) {
+        size_t nc = s->cap ? s->cap : 256;
+        while (nc < s->len + l)
+            nc *= 2;
+        char *p = realloc(s->run, nc);
+        if (!p) {
+            s->err = KVS_ERR_NOMEM;
+            return;
+        }
+        s->run = p;
+        s->cap = nc;
+    }
+    memcpy(s->run + s->len, text, l);
+    s->len += l;
+}
+
+int64_t kvs_chat_tokenize(enum kvs_chat_template t, const struct kvs_tokenizer *tok,
+                          const struct kvs_chat_message *msgs, size_t n, bool add_generation_prompt,
+                          bool content_special, int32_t *out, int64_t cap)
+{
+    kvs_err e = check_args(t, msgs, n);
+    if (e)
+        return -(int64_t)e;
+    if (!tok || cap < 0 || (!out && cap))
+        return -(int64_t)KVS_ERR_ARG;
+    struct toksink s = { .tok = tok, .content_special = content_special, .out = out, .cap_out = cap };
+    walk(t, msgs, n, add_generation_prompt, tok_piece, &s);
+    tok_flush(&s);
+    free(s.run);
+    return s.err ? -(int64_t)s.err : s.n;
 }

@@ -289,7 +289,7 @@ static int cmd_info(int argc, char **argv)
         if (type_count[ty])
             printf("  %-8s %6" PRIu64 " tensors %14" PRIu64 " bytes\n", kvs_type_name((enum kvs_type)ty),
                    type_count[ty], type_bytes[ty]);
-    qsort(blocks, nb, sizeof *blocks, cmp_block);
+    if (nb > 1) qsort(blocks, nb, sizeof *blocks, cmp_block); /* blocks is NULL for 0 tensors */
     uint32_t n_main = 0; /* block_count - nextn_predict_layers: the ring's blocks */
     const bool have_main = kvs_shard_block_count(g, &n_main) == KVS_OK;
     printf("bytes by block: %zu blocks\n", nb);

@@ -40,7 +40,11 @@ static void serve_usage(FILE *f)
                "  --seqs S             sequence slots per stage (default 4)\n"
                "  --boundary f16|f32   boundary precision on the links (default f16)\n"
                "  --max-body BYTES     request body cap (default 1048576)\n"
-               "  --max-connections N  concurrent HTTP connections (default 64; more are refused)\n"
+               "  --max-connections N  concurrent HTTP connections (default 64; more get 503)\n"
+               "  --max-per-addr N     concurrent HTTP connections per client address (default 16; more get 503)\n"
+               "  --request-timeout S  seconds a client has to send a whole request (default 30)\n"
+               "  --chat-parse-special parse special-token texts (<|im_end|>, ...) inside chat message\n"
+               "                       content as special tokens (unsafe: lets a user forge turns)\n"
                "  --insecure           plaintext ring links (default: throw-away node keys, TLS on every link)\n"
                "  --api-key KEY        require \"Authorization: Bearer KEY\" on /v1/* (401 otherwise);\n"
                "                       /health and /metrics stay open unless --auth-all\n"
@@ -61,16 +65,17 @@ int kvs_cli_serve(int argc, char **argv)
 {
     const char *model = NULL, *host = "127.0.0.1", *name = NULL, *chat_template = NULL;
     long ring = 1, port = 8080, threads = 0, n_ctx = 0, seqs = 4, max_body = 1 << 20, delay = 0, max_conn = 64;
-    bool f32 = false, insecure = false, auth_all = false;
+    bool f32 = false, insecure = false, auth_all = false, chat_special = false;
     const char *api_key = NULL, *api_key_file = NULL;
+    long per_addr = 16, req_timeout = 30;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             serve_usage(stdout);
             return 0;
         }
-        if (!strcmp(a, "--insecure") || !strcmp(a, "--auth-all")) {
-            *(!strcmp(a, "--insecure") ? &insecure : &auth_all) = true;
+        if (!strcmp(a, "--insecure") || !strcmp(a, "--auth-all") || !strcmp(a, "--chat-parse-special")) {
+            *(!strcmp(a, "--insecure") ? &insecure : !strcmp(a, "--auth-all") ? &auth_all : &chat_special) = true;
             continue;
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -92,6 +97,8 @@ int kvs_cli_serve(int argc, char **argv)
         else if (!strcmp(a, "--seqs")) bad = kvs_cli_parse_long(v, 1, 1024, &seqs);
         else if (!strcmp(a, "--max-body")) bad = kvs_cli_parse_long(v, 1024, 1L << 30, &max_body);
         else if (!strcmp(a, "--max-connections")) bad = kvs_cli_parse_long(v, 1, 65536, &max_conn);
+        else if (!strcmp(a, "--max-per-addr")) bad = kvs_cli_parse_long(v, 1, 65536, &per_addr);
+        else if (!strcmp(a, "--request-timeout")) bad = kvs_cli_parse_long(v, 1, 3600, &req_timeout);
         else if (!strcmp(a, "--step-delay")) bad = kvs_cli_parse_long(v, 0, 10000, &delay);
         else if (!strcmp(a, "--api-key")) api_key = v;
         else if (!strcmp(a, "--api-key-file")) api_key_file = v;
@@ -167,6 +174,9 @@ int kvs_cli_serve(int argc, char **argv)
     ap.max_connections = (int32_t)max_conn;
     ap.api_key = key_buf[0] ? key_buf : NULL;
     ap.auth_all = auth_all;
+    ap.max_per_addr = (int32_t)per_addr;
+    ap.request_timeout_s = (int32_t)req_timeout;
+    ap.chat_parse_special = chat_special;
     if ((e = kvs_api_start(head, &ap, &api, err, sizeof err))) {
         fprintf(stderr, "kvasir serve: API: %s (%s)\n", kvs_strerror(e), err);
         goto done;

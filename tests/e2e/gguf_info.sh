@@ -36,6 +36,17 @@ grep -qx '  llama.block_count = 4 (UINT32)' <<<"$out" || fail shard-block_count
 out=$("$BIN" gguf info "$tmp/s12.gguf")
 grep -qx 'shard: window \[1,2) of 4 source blocks' <<<"$out" || fail shard-middle
 grep -Eq '^  blk\.1 +9 tensors +198144 bytes$' <<<"$out" || fail shard-block
+# a GGUF with no tensors at all (issue 9: gguf info sorted a NULL block list, UBSan)
+python3 - "$tmp/empty.gguf" <<'PY'
+import struct, sys
+def s(x): b = x.encode(); return struct.pack('<Q', len(b)) + b
+d = b'GGUF' + struct.pack('<IQQ', 3, 0, 1) + s('general.architecture') + struct.pack('<I', 8) + s('llama')
+open(sys.argv[1], 'wb').write(d)
+PY
+out=$("$BIN" gguf info "$tmp/empty.gguf" 2>&1) || fail "0-tensor GGUF rc=$?"
+grep -qx 'tensors: 0, 0 bytes' <<<"$out" || fail 0-tensors
+grep -qx 'bytes by block: 0 blocks' <<<"$out" || fail 0-blocks
+grep -Eq '^  non-block +0 tensors +0 bytes$' <<<"$out" || fail 0-non-block
 # usage and errors
 "$BIN" gguf info --help | grep -q 'usage: kvasir gguf info' || fail help
 "$BIN" gguf --help | grep -q 'gguf synth' || fail gguf-help
