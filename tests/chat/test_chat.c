@@ -270,13 +270,35 @@ static void test_tokenize_llama3(void **state)
     unload(&f);
 }
 
+/* ChatML on a vocabulary without its specials (the API's fallback on
+ * aidreams260K, SentencePiece): the markup is text of its run, so the ids
+ * equal tokenizing the rendered text (one fragment, one space prefix), and
+ * the plain-text and special-parsing ways agree. */
+static void test_tokenize_no_specials(void **state)
+{
+    (void)state;
+    struct tok_fixture f;
+    load(&f, "models/aidreams260K.gguf");
+    char text[512];
+    long len = kvs_chat_render(KVS_CHAT_CHATML, k_msgs, 2, true, text, sizeof text);
+    assert_true(len > 0 && len < (long)sizeof text);
+    int32_t ref[512], ids[512];
+    int64_t nr = kvs_tokenize(f.t, text, (size_t)len, false, true, ref, 512);
+    assert_true(nr > 30 && nr <= 512);
+    int64_t n = kvs_chat_tokenize(KVS_CHAT_CHATML, f.t, k_msgs, 2, true, false, ids, 512);
+    expect_ids(ids, n, ref, (size_t)nr);
+    n = kvs_chat_tokenize(KVS_CHAT_CHATML, f.t, k_msgs, 2, true, true, ids, 512);
+    expect_ids(ids, n, ref, (size_t)nr);
+    unload(&f);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_from_name),
         cmocka_unit_test(test_detect), cmocka_unit_test(test_chatml),         cmocka_unit_test(test_llama3),
         cmocka_unit_test(test_errors), cmocka_unit_test(test_qwen3_template), cmocka_unit_test(test_tokenize_qwen3),
-        cmocka_unit_test(test_tokenize_llama3),
+        cmocka_unit_test(test_tokenize_llama3), cmocka_unit_test(test_tokenize_no_specials),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
