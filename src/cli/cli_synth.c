@@ -34,7 +34,7 @@
 #include "gguf/gguf.h"
 #include "kernels/kernels.h"
 
-#define SYNTH_MAX_TENSORS_PER_BLOCK 16
+#define SYNTH_MAX_TENSORS_PER_BLOCK 24
 #define SYNTH_CHUNK_ELEMS (1 << 20) /* floats generated per chunk */
 #define SYNTH_N_SPECIAL 3
 
@@ -50,7 +50,7 @@ static const char SYNTH_CHAT_TEMPLATE[] =
     "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
-enum synth_kind { SYNTH_WEIGHT, SYNTH_NORM, SYNTH_BIAS };
+enum synth_kind { SYNTH_WEIGHT, SYNTH_NORM, SYNTH_BIAS, SYNTH_DECAY /* ssm_a: -(0.5..1.5) */ };
 
 struct synth_tensor {
     char name[KVS_GGUF_MAX_NAME];
@@ -65,6 +65,8 @@ struct synth_cfg {
     const char *out;
     int64_t n_embd, n_block, n_head, n_head_kv, head_dim, n_ff, n_vocab;
     int64_t n_expert, n_expert_used, n_ff_exp, ctx;
+    int64_t n_rot, ssm_d, ssm_h_k, ssm_h_v, ssm_conv, attn_interval, n_ff_shexp; /* qwen35* */
+    bool hybrid;
     bool tied;
     enum kvs_type type;
     uint64_t seed;
@@ -88,13 +90,16 @@ static void fill_uniform(struct kvs_rng *s, float *dst, int64_t n, float center,
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: kvasir gguf synth --arch llama|qwen2|qwen3|qwen3moe --n-embd E --n-block L\n"
-            "         [--n-head H] [--n-head-kv HKV] [--head-dim D] [--n-ff F] [--n-vocab V]\n"
+            "usage: kvasir gguf synth --arch llama|qwen2|qwen3|qwen3moe|qwen35|qwen35moe --n-embd E\n"
+            "         --n-block L [--n-head H] [--n-head-kv HKV] [--head-dim D] [--n-ff F] [--n-vocab V]\n"
             "         [--n-expert X --n-expert-used K --n-ff-exp FE] [--tied] [--ctx N]\n"
+            "         [--n-rot R] [--ssm-state d] [--ssm-groups HK] [--ssm-heads HV] [--ssm-conv C]\n"
+            "         [--attn-interval I] [--n-ff-shexp FS]            (qwen35, qwen35moe)\n"
             "         --type q8_0|q4_0|f16|f32 --seed S -o FILE\n"
             "Writes a GGUF v3 model with random weights (deterministic in the arguments).\n"
             "Defaults: H = E/64 (at least 1), HKV = H, D = E/H, F = 3E, V = 512 (min %zu),\n"
-            "K = 2, FE = F/K, ctx 2048.\n",
+            "K = 2, FE = F/K, ctx 2048; qwen35*: R = D/4, d = 128, HK = 16, HV = 2·HK, C = 4, I = 4,\n"
+            "FS = FE.\n",
             (size_t)SYNTH_MIN_VOCAB);
 }
 
@@ -202,6 +207,20 @@ static int parse_args(int argc, char **argv, struct synth_cfg *c)
             ok = parse_i64(a, v, 1, big, &c->n_ff_exp);
         else if (!strcmp(a, "--ctx"))
             ok = parse_i64(a, v, 1, INT64_C(1) << 24, &c->ctx);
+        else if (!strcmp(a, "--n-rot"))
+            ok = parse_i64(a, v, 2, 4096, &c->n_rot);
+        else if (!strcmp(a, "--ssm-state"))
+            ok = parse_i64(a, v, 1, 4096, &c->ssm_d);
+        else if (!strcmp(a, "--ssm-groups"))
+            ok = parse_i64(a, v, 1, 4096, &c->ssm_h_k);
+        else if (!strcmp(a, "--ssm-heads"))
+            ok = parse_i64(a, v, 1, 4096, &c->ssm_h_v);
+        else if (!strcmp(a, "--ssm-conv"))
+            ok = parse_i64(a, v, 2, 64, &c->ssm_conv);
+        else if (!strcmp(a, "--attn-interval"))
+            ok = parse_i64(a, v, 1, 1024, &c->attn_interval);
+        else if (!strcmp(a, "--n-ff-shexp"))
+            ok = parse_i64(a, v, 1, big, &c->n_ff_shexp);
         else {
             fprintf(stderr, "kvasir gguf synth: unknown option '%s'\n", a);
             return 2;
@@ -213,9 +232,16 @@ static int parse_args(int argc, char **argv, struct synth_cfg *c)
         fprintf(stderr, "kvasir gguf synth: --arch, --n-embd, --n-block, --type, --seed and -o are required\n");
         return 2;
     }
-    bool moe_arch = !strcmp(c->arch, "qwen3moe");
-    if (strcmp(c->arch, "llama") && strcmp(c->arch, "qwen2") && strcmp(c->arch, "qwen3") && !moe_arch) {
-        fprintf(stderr, "kvasir gguf synth: --arch: expected llama, qwen2, qwen3 or qwen3moe, got '%s'\n", c->arch);
+    bool moe_arch = !strcmp(c->arch, "qwen3moe") || !strcmp(c->arch, "qwen35moe");
+    c->hybrid = !strcmp(c->arch, "qwen35") || !strcmp(c->arch, "qwen35moe");
+    if (strcmp(c->arch, "llama") && strcmp(c->arch, "qwen2") && strcmp(c->arch, "qwen3") && !moe_arch && !c->hybrid) {
+        fprintf(stderr, "kvasir gguf synth: --arch: expected llama, qwen2, qwen3, qwen3moe, qwen35 or qwen35moe, got '%s'\n",
+                c->arch);
+        return 2;
+    }
+    if (!c->hybrid && (c->n_rot || c->ssm_d || c->ssm_h_k || c->ssm_h_v || c->ssm_conv || c->attn_interval ||
+                       c->n_ff_shexp)) {
+        fprintf(stderr, "kvasir gguf synth: --n-rot/--ssm-*/--attn-interval/--n-ff-shexp need --arch qwen35 or qwen35moe\n");
         return 2;
     }
     if (!c->n_head)
@@ -242,12 +268,12 @@ static int parse_args(int argc, char **argv, struct synth_cfg *c)
     if (!c->n_ff)
         c->n_ff = 3 * c->n_embd;
     if (moe_arch && !c->n_expert) {
-        fprintf(stderr, "kvasir gguf synth: qwen3moe needs --n-expert\n");
+        fprintf(stderr, "kvasir gguf synth: %s needs --n-expert\n", c->arch);
         return 2;
     }
     if (c->n_expert) {
-        if (!strcmp(c->arch, "qwen2") || !strcmp(c->arch, "qwen3")) {
-            fprintf(stderr, "kvasir gguf synth: --n-expert needs --arch qwen3moe or llama\n");
+        if (!strcmp(c->arch, "qwen2") || !strcmp(c->arch, "qwen3") || !strcmp(c->arch, "qwen35")) {
+            fprintf(stderr, "kvasir gguf synth: --n-expert needs --arch qwen3moe, qwen35moe or llama\n");
             return 2;
         }
         if (!c->n_expert_used)
@@ -263,11 +289,25 @@ static int parse_args(int argc, char **argv, struct synth_cfg *c)
         fprintf(stderr, "kvasir gguf synth: --n-expert-used/--n-ff-exp need --n-expert\n");
         return 2;
     }
+    if (c->hybrid) {
+        if (!c->n_rot) c->n_rot = c->head_dim / 4 >= 2 ? c->head_dim / 4 : 2;
+        if (!c->ssm_d) c->ssm_d = 128;
+        if (!c->ssm_h_k) c->ssm_h_k = 16;
+        if (!c->ssm_h_v) c->ssm_h_v = 2 * c->ssm_h_k;
+        if (!c->ssm_conv) c->ssm_conv = 4;
+        if (!c->attn_interval) c->attn_interval = 4;
+        if (!c->n_ff_shexp) c->n_ff_shexp = c->n_ff_exp;
+        if (c->n_rot > c->head_dim || c->n_rot % 2 || c->ssm_h_v % c->ssm_h_k) {
+            fprintf(stderr, "kvasir gguf synth: need an even n_rot <= head_dim and ssm-heads a multiple of ssm-groups\n");
+            return 2;
+        }
+    }
     /* ne0 of every 2-D weight must be a multiple of the block size. */
     uint32_t be = 1, bb = 0;
     kvs_type_block(c->type, &be, &bb);
-    int64_t ne0s[4] = { c->n_embd, c->n_head * c->head_dim, c->n_expert ? c->n_ff_exp : c->n_ff, c->n_embd };
-    for (int i = 0; i < 4; i++)
+    int64_t ne0s[6] = { c->n_embd, c->n_head * c->head_dim, c->n_expert ? c->n_ff_exp : c->n_ff, c->n_embd,
+                        c->hybrid ? c->ssm_h_v * c->ssm_d : c->n_embd, c->hybrid && c->n_expert ? c->n_ff_shexp : c->n_embd };
+    for (int i = 0; i < 6; i++)
         if (ne0s[i] % be) {
             fprintf(stderr, "kvasir gguf synth: row length %" PRId64 " is not a multiple of %s's block size %u\n",
                     ne0s[i], kvs_type_name(c->type), be);
@@ -311,6 +351,28 @@ static size_t describe(const struct synth_cfg *c, struct synth_tensor *t)
         add_t(t, &n, name, type, kind, nd, a0, a1, a2);                                               \
     } while (0)
         BLK("attn_norm.weight", f, SYNTH_NORM, 1, E, 1, 1);
+        if (c->hybrid && (b + 1) % c->attn_interval) { /* Gated DeltaNet block */
+            const int64_t d = c->ssm_d, hv = c->ssm_h_v, C = (2 * c->ssm_h_k + hv) * d;
+            BLK("attn_qkv.weight", w, SYNTH_WEIGHT, 2, E, C, 1);
+            BLK("attn_gate.weight", w, SYNTH_WEIGHT, 2, E, hv * d, 1);
+            BLK("ssm_conv1d.weight", f, SYNTH_WEIGHT, 2, c->ssm_conv, C, 1);
+            BLK("ssm_dt.bias", f, SYNTH_BIAS, 1, hv, 1, 1);
+            BLK("ssm_a", f, SYNTH_DECAY, 1, hv, 1, 1);
+            BLK("ssm_beta.weight", w, SYNTH_WEIGHT, 2, E, hv, 1);
+            BLK("ssm_alpha.weight", w, SYNTH_WEIGHT, 2, E, hv, 1);
+            BLK("ssm_norm.weight", f, SYNTH_NORM, 1, d, 1, 1);
+            BLK("ssm_out.weight", w, SYNTH_WEIGHT, 2, hv * d, E, 1);
+        } else if (c->hybrid) { /* gated attention: per head D query rows, then D gate rows */
+            BLK("attn_q.weight", w, SYNTH_WEIGHT, 2, E, 2 * q, 1);
+            BLK("attn_k.weight", w, SYNTH_WEIGHT, 2, E, kv, 1);
+            BLK("attn_v.weight", w, SYNTH_WEIGHT, 2, E, kv, 1);
+            BLK("attn_q_norm.weight", f, SYNTH_NORM, 1, c->head_dim, 1, 1);
+            BLK("attn_k_norm.weight", f, SYNTH_NORM, 1, c->head_dim, 1, 1);
+            BLK("attn_output.weight", w, SYNTH_WEIGHT, 2, q, E, 1);
+        }
+        if (c->hybrid) {
+            BLK("post_attention_norm.weight", f, SYNTH_NORM, 1, E, 1, 1);
+        } else {
         BLK("attn_q.weight", w, SYNTH_WEIGHT, 2, E, q, 1);
         BLK("attn_k.weight", w, SYNTH_WEIGHT, 2, E, kv, 1);
         BLK("attn_v.weight", w, SYNTH_WEIGHT, 2, E, kv, 1);
@@ -325,12 +387,19 @@ static size_t describe(const struct synth_cfg *c, struct synth_tensor *t)
         }
         BLK("attn_output.weight", w, SYNTH_WEIGHT, 2, q, E, 1);
         BLK("ffn_norm.weight", f, SYNTH_NORM, 1, E, 1, 1);
+        }
         if (c->n_expert) {
             const int64_t X = c->n_expert, Fe = c->n_ff_exp;
             BLK("ffn_gate_inp.weight", f, SYNTH_WEIGHT, 2, E, X, 1);
             BLK("ffn_gate_exps.weight", w, SYNTH_WEIGHT, 3, E, Fe, X);
             BLK("ffn_up_exps.weight", w, SYNTH_WEIGHT, 3, E, Fe, X);
             BLK("ffn_down_exps.weight", w, SYNTH_WEIGHT, 3, Fe, E, X);
+            if (c->hybrid) { /* qwen35moe shared expert and its sigmoid gate */
+                BLK("ffn_gate_inp_shexp.weight", f, SYNTH_WEIGHT, 1, E, 1, 1);
+                BLK("ffn_gate_shexp.weight", w, SYNTH_WEIGHT, 2, E, c->n_ff_shexp, 1);
+                BLK("ffn_up_shexp.weight", w, SYNTH_WEIGHT, 2, E, c->n_ff_shexp, 1);
+                BLK("ffn_down_shexp.weight", w, SYNTH_WEIGHT, 2, c->n_ff_shexp, E, 1);
+            }
         } else {
             BLK("ffn_gate.weight", w, SYNTH_WEIGHT, 2, E, c->n_ff, 1);
             BLK("ffn_up.weight", w, SYNTH_WEIGHT, 2, E, c->n_ff, 1);
@@ -404,7 +473,7 @@ static kvs_err set_tokenizer(struct kvs_gguf_writer *w, const struct synth_cfg *
     }
     const uint32_t eot = (uint32_t)(V - 3), im_end = (uint32_t)(V - 1);
     if ((e = kvs_gguf_writer_set_str(w, "tokenizer.ggml.model", "gpt2")) ||
-        (e = kvs_gguf_writer_set_str(w, "tokenizer.ggml.pre", "qwen2")) ||
+        (e = kvs_gguf_writer_set_str(w, "tokenizer.ggml.pre", c->hybrid ? "qwen35" : "qwen2")) ||
         (e = kvs_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", toks, V)) ||
         (e = kvs_gguf_writer_set_arr(w, "tokenizer.ggml.token_type", KVS_GGUF_TYPE_INT32, types, V)) ||
         (e = kvs_gguf_writer_set_arr_str(w, "tokenizer.ggml.merges", SYNTH_MERGES, SYNTH_N_MERGES)) ||
@@ -453,13 +522,29 @@ static kvs_err set_metadata(struct kvs_gguf_writer *w, const struct synth_cfg *c
     F32("attention.layer_norm_rms_epsilon", llama ? 1e-5 : 1e-6);
     U32("attention.key_length", c->head_dim);
     U32("attention.value_length", c->head_dim);
-    U32("rope.dimension_count", c->head_dim);
+    U32("rope.dimension_count", c->hybrid ? c->n_rot : c->head_dim);
     F32("rope.freq_base", llama ? 10000.0 : 1000000.0);
     U32("vocab_size", c->n_vocab);
     if (c->n_expert) {
         U32("expert_count", c->n_expert);
         U32("expert_used_count", c->n_expert_used);
         U32("expert_feed_forward_length", c->n_ff_exp);
+        if (c->hybrid)
+            U32("expert_shared_feed_forward_length", c->n_ff_shexp);
+    }
+    if (c->hybrid) {
+        U32("ssm.conv_kernel", c->ssm_conv);
+        U32("ssm.state_size", c->ssm_d);
+        U32("ssm.group_count", c->ssm_h_k);
+        U32("ssm.time_step_rank", c->ssm_h_v);
+        U32("ssm.inner_size", c->ssm_h_v * c->ssm_d);
+        U32("full_attention_interval", c->attn_interval);
+        /* M-RoPE sections (text: plain NeoX over n_rot dims), e.g. 11,11,10,0 for 64 */
+        const int32_t half = (int32_t)(c->n_rot / 2), s0 = (half + 2) / 3;
+        const int32_t sec[4] = { s0, s0, half - 2 * s0 > 0 ? half - 2 * s0 : 0, 0 };
+        snprintf(key, sizeof key, "%s.rope.dimension_sections", c->arch);
+        if ((e = kvs_gguf_writer_set_arr(w, key, KVS_GGUF_TYPE_INT32, sec, 4)))
+            return e;
     }
 #undef U32
 #undef F32
@@ -493,6 +578,7 @@ static kvs_err write_tensor(FILE *f, const struct synth_cfg *c, const struct syn
     switch (t->kind) {
     case SYNTH_NORM: center = 1.0f; scale = 0.1f; break;
     case SYNTH_BIAS: scale = 0.02f; break;
+    case SYNTH_DECAY: center = -1.0f; scale = 0.5f; break;
     default: scale = sqrtf(3.0f / (float)ne0); break;
     }
     int64_t rows_per = SYNTH_CHUNK_ELEMS / ne0;

@@ -160,6 +160,11 @@ static size_t max_sz(size_t a, size_t b) { return a > b ? a : b; }
 
 /* Packing the window's matrices (pack_weights), split over the pool. */
 #define PACK_MAX 16
+/* The 2-D matrices of a block that packing considers (absent ones have no data). */
+#define BLOCK_PACK_MATS(b)                                                                                    \
+    { &(b)->wq, &(b)->wk, &(b)->wv, &(b)->wo, &(b)->gate, &(b)->up, &(b)->down, &(b)->ssm_qkv, &(b)->ssm_z,     \
+      &(b)->ssm_out, &(b)->gate_sh, &(b)->up_sh, &(b)->down_sh }
+#define BLOCK_PACK_N 13
 struct pack_job {
     struct kvs_matrix *mats[PACK_MAX];
     char *dst[PACK_MAX];
@@ -202,10 +207,10 @@ static void pack_weights(struct kvs_model *m)
         char *at = m->packw;
         for (int32_t i = 0; i < m->n_blk; i++) {
             struct block_w *b = &m->blk[i];
-            struct kvs_matrix *mats[] = { &b->wq, &b->wk, &b->wv, &b->wo, &b->gate, &b->up, &b->down };
+            struct kvs_matrix *mats[] = BLOCK_PACK_MATS(b);
             struct pack_job j = { .n = 0 };
-            for (int c = 0; c < (int)(sizeof mats / sizeof mats[0]) + (i == 0 ? nc : 0); c++) {
-                struct kvs_matrix *W = c < 7 ? mats[c] : cand[c - 7];
+            for (int c = 0; c < BLOCK_PACK_N + (i == 0 ? nc : 0); c++) {
+                struct kvs_matrix *W = c < BLOCK_PACK_N ? mats[c] : cand[c - BLOCK_PACK_N];
                 size_t bytes = W->data ? kvs_matrix_packed_bytes(W) : 0;
                 if (!bytes || !kvs_kernels_use_packed(m->k, W->type))
                     continue;
@@ -242,13 +247,13 @@ static void pack_weights(struct kvs_model *m)
 #ifdef MADV_PAGEOUT
     const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
     for (int32_t i = 0; i <= m->n_blk; i++) {
-        struct kvs_matrix *mats[7] = { &m->out_w };
+        struct kvs_matrix *mats[BLOCK_PACK_N] = { &m->out_w };
         int n = 1;
         if (i < m->n_blk) {
             struct block_w *b = &m->blk[i];
-            struct kvs_matrix *bm[] = { &b->wq, &b->wk, &b->wv, &b->wo, &b->gate, &b->up, &b->down };
+            struct kvs_matrix *bm[] = BLOCK_PACK_MATS(b);
             memcpy(mats, bm, sizeof bm);
-            n = 7;
+            n = BLOCK_PACK_N;
         }
         for (int c = 0; c < n; c++) {
             if (!mats[c]->packed)

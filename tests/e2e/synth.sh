@@ -150,4 +150,20 @@ for cmd in "run -m $tmp/nan.gguf -p hi -n 3 --temp 0" "eval -m $tmp/nan.gguf --t
     [ "$rc" != 0 ] && [ -z "$out" ] && grep -q 'NaN or infinity' "$tmp/err" ||
         { echo "FAIL: NaN model, $cmd: rc $rc, out '$out', $(tail -2 "$tmp/err")"; exit 1; }
 done
+# qwen35 / qwen35moe: the hybrid layout loads and runs (blocks 0-2 Gated
+# DeltaNet, block 3 attention; a ring over the GDN/attention boundary equals
+# one process), and the tensor set is the one of qwen35-facts §2.
+for a in qwen35 qwen35moe; do
+    extra=(); [ $a = qwen35moe ] && extra=(--n-expert 4 --n-expert-used 2 --n-ff-exp 64 --n-ff-shexp 96)
+    "$KVASIR_BIN" gguf synth --arch $a --n-embd 64 --n-block 4 --n-head 2 --n-head-kv 1 --head-dim 32 --n-ff 96 \
+        --ssm-state 16 --ssm-groups 2 --ssm-heads 4 --n-vocab 300 --type q8_0 --seed 5 "${extra[@]}" -o "$tmp/$a.gguf"
+    info=$("$KVASIR_BIN" gguf info "$tmp/$a.gguf")
+    grep -qx "main blocks: 4 (windows, shards and the planner count these)" <<<"$info" || { echo "FAIL: $a blocks"; exit 1; }
+    n_gdn=14; n_att=11; [ $a = qwen35moe ] && n_gdn=19 && n_att=16 # per block: mixer + norms + FFN (+ shared expert)
+    for b in 0 1 2; do grep -Eq "^  blk\.$b +$n_gdn tensors" <<<"$info" || { echo "FAIL: $a blk.$b: $info"; exit 1; }; done
+    grep -Eq "^  blk\.3 +$n_att tensors" <<<"$info" || { echo "FAIL: $a blk.3"; exit 1; }
+    one=$("$KVASIR_BIN" run -m "$tmp/$a.gguf" -p "hello" -n 6 --temp 0 --ignore-eos 2>/dev/null)
+    ring=$("$KVASIR_BIN" run --ring 2 -m "$tmp/$a.gguf" -p "hello" -n 6 --temp 0 --ignore-eos --boundary f32 2>/dev/null)
+    [ -n "$one" ] && [ "$one" = "$ring" ] || { echo "FAIL: $a ring [$ring] != one process [$one]"; exit 1; }
+done
 echo "synth: OK"
