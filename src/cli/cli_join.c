@@ -552,7 +552,7 @@ int kvs_cli_join(int argc, char **argv)
 {
     struct node n = { .threads = 2, .poll_ms = 1000, .sfd = -1 };
     const char *listen = "127.0.0.1:0", *relay = NULL, *cache = NULL, *name = NULL;
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* every option takes a value */
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             join_usage(stdout);
@@ -587,7 +587,6 @@ int kvs_cli_join(int argc, char **argv)
             fprintf(stderr, "kvasir join: bad value for %s: %s\n", a, v);
             return 2;
         }
-        i++;
     }
     if (!n.market) {
         fprintf(stderr, "kvasir join: --market URL is required\n");

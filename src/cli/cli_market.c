@@ -30,7 +30,7 @@ static int market_add(int argc, char **argv)
 {
     const char *market = NULL;
     json_t *o = json_object();
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* every option takes a value */
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             market_usage(stdout);
@@ -61,7 +61,6 @@ static int market_add(int argc, char **argv)
             json_decref(o);
             return 2;
         }
-        i++;
     }
     if (!market || !json_object_get(o, "url")) {
         fprintf(stderr, "kvasir market add: --market URL and --url MODEL_URL are required\n");
@@ -90,7 +89,7 @@ int kvs_cli_market(int argc, char **argv)
     if (argc >= 2 && !strcmp(argv[1], "add")) return market_add(argc - 1, argv + 1);
     struct kvs_market_params p = kvs_market_default_params();
     const char *listen = NULL;
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* every option takes a value */
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             market_usage(stdout);
@@ -120,7 +119,6 @@ int kvs_cli_market(int argc, char **argv)
             fprintf(stderr, "kvasir market: bad value for %s: %s\n", a, v);
             return 2;
         }
-        i++;
     }
     if (!listen || !p.db_path) {
         fprintf(stderr, "kvasir market: --listen HOST:PORT and --db FILE are required\n");

@@ -42,7 +42,7 @@ struct kvs_market_params kvs_market_default_params(void)
                                        .max_body = KVS_MARKET_MAX_BODY_DEFAULT };
 }
 
-static kvs_err fail(kvs_err e, char *errbuf, size_t errlen, const char *fmt, ...)
+__attribute__((format(printf, 4, 5))) static kvs_err fail(kvs_err e, char *errbuf, size_t errlen, const char *fmt, ...)
 {
     if (errbuf && errlen) {
         va_list ap;
@@ -151,7 +151,7 @@ static kvs_err reply_json(struct kvs_market_reply *r, int status, json_t *j)
     return KVS_OK;
 }
 
-static kvs_err reply_error(struct kvs_market_reply *r, int status, const char *code, const char *fmt, ...)
+__attribute__((format(printf, 4, 5))) static kvs_err reply_error(struct kvs_market_reply *r, int status, const char *code, const char *fmt, ...)
 {
     char msg[512];
     va_list ap;

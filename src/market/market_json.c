@@ -12,7 +12,7 @@
 
 #include "plan/plan.h"
 
-static kvs_err fail(kvs_err e, char *errbuf, size_t errlen, const char *fmt, ...)
+__attribute__((format(printf, 4, 5))) static kvs_err fail(kvs_err e, char *errbuf, size_t errlen, const char *fmt, ...)
 {
     if (errbuf && errlen) {
         va_list ap;
