@@ -27,6 +27,11 @@ static void stage_usage(FILE *f)
                "       kvasir stage --manifest ring.json --rank R [-m PATH|URL] [options]\n"
                "  (-m beside --manifest: this machine's copy of the model; default the manifest's path)\n"
                "  a window of the whole model is a one-stage ring: it samples itself, no --next needed\n"
+               "  --listen/--next may be relay URLs ws[s]://RELAY[:PORT]/edge/ID?token=HEX (docs/RELAY.md): --next\n"
+               "                       dials the relay as the edge's upstream end, --listen makes the in link dial\n"
+               "                       out as its downstream end (no listening socket: a stage behind NAT)\n"
+               "  --relay-ca PEM       wss://: the CA (or the relay's self-signed certificate) to trust\n"
+               "  --relay-pin HEX      wss://: trust the relay certificate with this SHA-256 of its DER instead\n"
                "  --threads T          compute threads (default: the cores this process may use)\n"
                "  --ctx N              positions per sequence (default model's, <= 4096; all stages equal)\n"
                "  --seqs S             sequence slots (default 4)\n"
@@ -141,6 +146,8 @@ int kvs_cli_stage(int argc, char **argv)
         else if (!strcmp(a, "--window")) window = v;
         else if (!strcmp(a, "--listen")) p.listen = v;
         else if (!strcmp(a, "--next")) p.next = v;
+        else if (!strcmp(a, "--relay-ca")) p.relay_ca = v;
+        else if (!strcmp(a, "--relay-pin")) p.relay_pin = v;
         else if (!strcmp(a, "--manifest")) manifest = v;
         else if (!strcmp(a, "--key")) key_path = v;
         else if (!strcmp(a, "--api-key")) api_key = v;

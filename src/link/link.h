@@ -65,8 +65,8 @@ struct kvs_listener; /* opaque: a listening TCP socket */
  * KVS_ERR_ARG (bad address), KVS_ERR_NET (bind/listen failed: message in
  * errbuf). Free with kvs_listener_close. */
 kvs_err kvs_tcp_listen(const char *addr, struct kvs_listener **out, char *errbuf, size_t errlen);
-uint16_t kvs_listener_port(const struct kvs_listener *s);
-int kvs_listener_fd(const struct kvs_listener *s); /* poll for POLLIN: a connection waits */
+uint16_t kvs_listener_port(const struct kvs_listener *s); /* 0 for NULL */
+int kvs_listener_fd(const struct kvs_listener *s); /* poll for POLLIN: a connection waits; -1 for NULL */
 void kvs_listener_close(struct kvs_listener *s);   /* NULL allowed */
 
 /* Accepts one pending connection (non-blocking): KVS_OK with *out set,
@@ -122,6 +122,8 @@ bool kvs_relay_edge_valid(const char *id, size_t len);
  * message = "kvasir-relay-edge:" || edge id), 64 digits + NUL into out.
  * Errors: KVS_ERR_ARG (bad edge id, empty secret), KVS_ERR_INTERNAL (OpenSSL). */
 kvs_err kvs_relay_token(const void *secret, size_t secret_len, const char *edge, char out[KVS_RELAY_TOKEN_HEX + 1]);
+/* True when s is 64 lowercase hex digits (an edge token, a certificate pin). */
+bool kvs_relay_hex64(const char *s);
 /* Constant-time comparison of two NUL-terminated tokens (false if lengths differ). */
 bool kvs_relay_token_equal(const char *a, const char *b);
 
@@ -129,6 +131,9 @@ struct kvs_ws_opts {
     uint8_t role;        /* KVS_RELAY_ROLE_UP or KVS_RELAY_ROLE_DOWN */
     const char *ca_file; /* wss: PEM file of the CA(s) to trust (a self-signed relay
                           * certificate itself works); NULL: the system's store */
+    const char *pin_sha256; /* wss: 64 lowercase hex digits, SHA-256 of the relay certificate's DER
+                             * (openssl x509 -outform DER | sha256sum): trusted instead of ca_file
+                             * and the host check; NULL: none */
     const char *token;   /* edge token; NULL: the URL's ?token= */
     int ping_ms;         /* client ping period (0: 10000); the link is declared dead
                           * after 3 periods without a byte from the relay */
@@ -136,7 +141,8 @@ struct kvs_ws_opts {
 
 /* Dials a relay (RELAY.md): TCP, TLS for wss:// (certificate checked against
  * ca_file and the URL's host), the WebSocket upgrade on /edge/EDGE_ID with
- * the token, then the role preamble — all within timeout_ms. The link is a
+ * the token, then the role preamble — all within timeout_ms (with pin_sha256 the
+ * certificate must have that hash instead). The link is a
  * byte stream like a TCP link (same kvs_link_ops contract; its fd is a local
  * socket fed by a pump thread, so poll on it is exact): bytes written go to
  * the far end of the edge once the relay pairs it, in order. The relay's

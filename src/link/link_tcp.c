@@ -209,12 +209,12 @@ kvs_err kvs_tcp_listen(const char *addr, struct kvs_listener **out, char *errbuf
 
 uint16_t kvs_listener_port(const struct kvs_listener *s)
 {
-    return s->port;
+    return s ? s->port : 0;
 }
 
 int kvs_listener_fd(const struct kvs_listener *s)
 {
-    return s->fd;
+    return s ? s->fd : -1;
 }
 
 void kvs_listener_close(struct kvs_listener *s)

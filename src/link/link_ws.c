@@ -153,6 +153,11 @@ kvs_err kvs_relay_token(const void *secret, size_t secret_len, const char *edge,
     return KVS_OK;
 }
 
+bool kvs_relay_hex64(const char *s)
+{
+    return s && is_hex_token(s, strlen(s));
+}
+
 bool kvs_relay_token_equal(const char *a, const char *b)
 {
     size_t la = strlen(a), lb = strlen(b);
@@ -601,31 +606,55 @@ static bool header_value(const char *head, const char *name, char *val, size_t c
     return false;
 }
 
-static kvs_err tls_start(struct ws_conn *c, const struct kvs_ws_url *u, const char *ca_file, int64_t deadline,
-                         char *errbuf, size_t errlen)
+/* The pinned certificate (kvs_ws_opts.pin_sha256): SHA-256 of the relay's leaf certificate (DER). */
+static kvs_err check_pin(struct ws_conn *c, const struct kvs_ws_url *u, const char *pin, char *errbuf, size_t errlen)
+{
+    X509 *cert = SSL_get1_peer_certificate(c->ssl);
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int ml = 0;
+    bool ok = cert && X509_digest(cert, EVP_sha256(), md, &ml) == 1 && ml == 32;
+    X509_free(cert);
+    if (!ok) ERR(KVS_ERR_NET, "relay %s:%u: no certificate to check against the pin", u->host, u->port);
+    static const char hx[] = "0123456789abcdef";
+    char got[65];
+    for (unsigned i = 0; i < 32; i++) {
+        got[2 * i] = hx[md[i] >> 4];
+        got[2 * i + 1] = hx[md[i] & 15];
+    }
+    got[64] = '\0';
+    if (!kvs_relay_token_equal(got, pin))
+        ERR(KVS_ERR_NET, "relay %s:%u: certificate sha256 %.16s... is not the pinned %.16s...", u->host, u->port,
+            got, pin);
+    return KVS_OK;
+}
+
+static kvs_err tls_start(struct ws_conn *c, const struct kvs_ws_url *u, const char *ca_file, const char *pin,
+                         int64_t deadline, char *errbuf, size_t errlen)
 {
     c->ctx = SSL_CTX_new(TLS_client_method());
     if (!c->ctx) ERR(KVS_ERR_NOMEM, "cannot create a TLS context");
     SSL_CTX_set_min_proto_version(c->ctx, TLS1_2_VERSION);
-    if (ca_file) {
+    if (pin) {
+        /* the pin replaces the chain and host checks (checked after the handshake) */
+    } else if (ca_file) {
         if (SSL_CTX_load_verify_locations(c->ctx, ca_file, NULL) != 1)
             ERR(KVS_ERR_ARG, "cannot load the relay CA file '%.200s'", ca_file);
     } else if (SSL_CTX_set_default_verify_paths(c->ctx) != 1) {
         ERR(KVS_ERR_NET, "cannot load the system's CA store");
     }
-    SSL_CTX_set_verify(c->ctx, SSL_VERIFY_PEER, NULL);
+    SSL_CTX_set_verify(c->ctx, pin ? SSL_VERIFY_NONE : SSL_VERIFY_PEER, NULL);
     c->ssl = SSL_new(c->ctx);
     if (!c->ssl || SSL_set_fd(c->ssl, c->net) != 1) ERR(KVS_ERR_NOMEM, "cannot create a TLS session");
     SSL_set_mode(c->ssl, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
     X509_VERIFY_PARAM *vp = SSL_get0_param(c->ssl);
     if (X509_VERIFY_PARAM_set1_ip_asc(vp, u->host) != 1) { /* not an IP address: a name */
         SSL_set_tlsext_host_name(c->ssl, u->host);
-        if (X509_VERIFY_PARAM_set1_host(vp, u->host, 0) != 1) ERR(KVS_ERR_ARG, "bad relay host name");
+        if (!pin && X509_VERIFY_PARAM_set1_host(vp, u->host, 0) != 1) ERR(KVS_ERR_ARG, "bad relay host name");
     }
     for (;;) {
         ERR_clear_error();
         int r = SSL_connect(c->ssl);
-        if (r == 1) return KVS_OK;
+        if (r == 1) return pin ? check_pin(c, u, pin, errbuf, errlen) : KVS_OK;
         int e = SSL_get_error(c->ssl, r);
         if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) {
             if (wait_net(c, e == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT, deadline))
@@ -705,6 +734,8 @@ kvs_err kvs_ws_dial(const char *url, const struct kvs_ws_opts *o, int timeout_ms
     const char *token = o->token ? o->token : u.token;
     if (!token[0]) ERR(KVS_ERR_ARG, "relay URL '%.200s' carries no ?token= and none was given", url);
     if (!is_hex_token(token, strlen(token))) ERR(KVS_ERR_ARG, "relay token must be 64 lowercase hex digits");
+    if (o->pin_sha256 && !kvs_relay_hex64(o->pin_sha256))
+        ERR(KVS_ERR_ARG, "relay certificate pin must be 64 lowercase hex digits (SHA-256 of the DER)");
     int64_t deadline = kvs_link_now_ms() + (timeout_ms > 0 ? timeout_ms : 5000);
     char addr[300];
     bool v6 = strchr(u.host, ':') != NULL;
@@ -727,7 +758,7 @@ kvs_err kvs_ws_dial(const char *url, const struct kvs_ws_opts *o, int timeout_ms
         conn_free(c);
         ERR(KVS_ERR_NOMEM, "out of memory for a relay link");
     }
-    if (u.tls && (e = tls_start(c, &u, o->ca_file, deadline, errbuf, errlen))) goto fail;
+    if (u.tls && (e = tls_start(c, &u, o->ca_file, o->pin_sha256, deadline, errbuf, errlen))) goto fail;
     if ((e = upgrade(c, &u, token, deadline, errbuf, errlen))) goto fail;
     uint8_t role = o->role;
     if (queue_frame(c, 0x2, &role, 1)) {

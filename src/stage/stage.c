@@ -51,8 +51,23 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
         e = KVS_ERR_ARG;
         goto fail;
     }
+    if (strlen(p->listen) >= sizeof s->listen_addr || (p->next && strlen(p->next) >= sizeof s->next_addr) ||
+        (p->relay_ca && strlen(p->relay_ca) >= sizeof s->relay_ca)) {
+        snprintf(err, sizeof err, "listen/next address or relay CA path too long");
+        e = KVS_ERR_ARG;
+        goto fail;
+    }
+    if (p->relay_pin && !kvs_relay_hex64(p->relay_pin)) {
+        snprintf(err, sizeof err, "relay certificate pin must be 64 lowercase hex digits (SHA-256 of the DER)");
+        e = KVS_ERR_ARG;
+        goto fail;
+    }
     snprintf(s->listen_addr, sizeof s->listen_addr, "%s", p->listen);
     snprintf(s->next_addr, sizeof s->next_addr, "%s", p->next ? p->next : "");
+    snprintf(s->relay_ca, sizeof s->relay_ca, "%s", p->relay_ca ? p->relay_ca : "");
+    snprintf(s->relay_pin, sizeof s->relay_pin, "%s", p->relay_pin ? p->relay_pin : "");
+    s->p.relay_ca = s->p.relay_pin = NULL;
+    s->in_relay = kvs_ws_is_url(s->listen_addr);
     s->p.listen = s->listen_addr;
     s->p.next = s->next_addr;
     s->p.model_path = NULL;
@@ -113,12 +128,17 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
         goto fail;
     }
     if (!s->solo) { /* a malformed next is a start-up error, not 20 silent retries */
-        char host[256] = "", why[200] = "";
-        uint16_t port = 0;
-        if (kvs_addr_parse(s->next_addr, host, sizeof host, &port, why, sizeof why) == KVS_OK)
-            snprintf(why, sizeof why, "%s", !host[0] ? "a HOST is needed" : !port ? "port 0 cannot be dialed" : "");
-        if (why[0]) {
+        char why[300] = "";
+        if (kvs_st_check_addr(s->next_addr, false, why, sizeof why)) {
             snprintf(err, sizeof err, "next address '%.200s': %s", s->next_addr, why);
+            e = KVS_ERR_ARG;
+            goto fail;
+        }
+    }
+    if (s->in_relay) { /* the in link dials out (RELAY.md §2): its URL must be usable */
+        char why[300] = "";
+        if (kvs_st_check_addr(s->listen_addr, true, why, sizeof why)) {
+            snprintf(err, sizeof err, "listen address '%.200s': %s", s->listen_addr, why);
             e = KVS_ERR_ARG;
             goto fail;
         }
@@ -191,7 +211,8 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
         e = KVS_ERR_IO;
         goto fail;
     }
-    if ((e = kvs_tcp_listen(s->listen_addr, &s->lst, err, sizeof err))) goto fail;
+    /* a relay URL: no listening socket at all (a stage behind NAT opens no port) */
+    if (!s->in_relay && (e = kvs_tcp_listen(s->listen_addr, &s->lst, err, sizeof err))) goto fail;
     kvs_st_met_update(s);
     *out = s;
     return KVS_OK;
@@ -240,14 +261,13 @@ void kvs_stage_free(struct kvs_stage *s)
 
 kvs_err kvs_stage_set_next(struct kvs_stage *s, const char *next, char *errbuf, size_t errlen)
 {
-    char host[256], why[256] = "";
-    uint16_t port;
+    char why[300] = "";
     if (s->solo) {
         snprintf(errbuf, errlen, "stage [%d,%d) holds the whole model: it has no successor", (int)s->begin, (int)s->end);
         return KVS_ERR_ARG;
     }
     bool too_long = next && strlen(next) >= sizeof s->new_next;
-    if (!next || too_long || kvs_addr_parse(next, host, sizeof host, &port, why, sizeof why) != KVS_OK) {
+    if (!next || too_long || kvs_st_check_addr(next, false, why, sizeof why) != KVS_OK) {
         snprintf(errbuf, errlen, "next address '%.200s': %s", next ? next : "(null)", too_long ? "too long" : why);
         return KVS_ERR_ARG;
     }

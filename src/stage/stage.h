@@ -35,8 +35,15 @@ struct kvs_stage_params {
     const char *model_path;   /* GGUF file (full model or a shard of it) */
     int32_t block_begin;      /* window [begin, end); end -1 = n_block */
     int32_t block_end;
-    const char *listen;       /* "HOST:PORT" to accept the predecessor on (port 0: any free port) */
-    const char *next;         /* "HOST:PORT" of the successor (NULL allowed for a whole-model window) */
+    const char *listen;       /* "HOST:PORT" to accept the predecessor on (port 0: any free port), or a
+                               * relay URL ws[s]://RELAY/edge/ID[?token=HEX] (docs/RELAY.md §2): the in
+                               * link then dials out to the relay as the edge's downstream end */
+    const char *next;         /* "HOST:PORT" of the successor, or a relay URL (dialed as the upstream
+                               * end); NULL allowed for a whole-model window */
+    const char *relay_ca;     /* wss:// links: PEM file of the CA(s) (or the relay's self-signed
+                               * certificate) to trust; NULL: the system's store. Copied at create */
+    const char *relay_pin;    /* wss:// links: SHA-256 (hex) of the relay certificate's DER, trusted
+                               * instead of relay_ca; NULL: none. Copied at create */
     int32_t n_threads;        /* compute threads (default 2) */
     int32_t n_ctx;            /* positions per sequence, 0 = model default; all stages must agree */
     int32_t n_seq;            /* sequence slots (default 4) */
@@ -86,7 +93,7 @@ kvs_err kvs_stage_run(struct kvs_stage *s);
 /* Asks the loop to return (thread-safe; also async-signal-safe). */
 void kvs_stage_stop(struct kvs_stage *s);
 
-/* Re-points the stage at another successor ("HOST:PORT"), e.g. when the
+/* Re-points the stage at another successor ("HOST:PORT" or a relay URL), e.g. when the
  * market's map names a new node for the following window. Thread-safe: the
  * loop closes the link to the old successor (requests in flight through it
  * fail as on a lost link, PROTOCOL.md §5) and dials the new one at once.

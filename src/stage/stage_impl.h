@@ -68,6 +68,8 @@ struct pending_link {
     struct kvs_link *l;
     struct kvs_proto_decoder *dec;
     int64_t since;
+    bool relay; /* the in link this stage dialed out to the relay: it waits for its partner
+                 * (the relay times that out, RELAY.md §5), not HANDSHAKE_MS */
 };
 
 enum out_state { OUT_DOWN = 0, OUT_HANDSHAKE, OUT_UP };
@@ -103,6 +105,12 @@ struct kvs_stage {
     bool solo;                    /* the whole model: head and tail at once, no links (a one-stage ring) */
     bool in_bye, out_bye;         /* the neighbour said goodbye (orderly shutdown): its EOF is not a fault */
     int out_refused;              /* consecutive refusals by the successor (backoff, logged as errors) */
+    /* links through a relay (docs/RELAY.md §2) */
+    bool in_relay;                /* listen_addr is a relay URL: the in link dials out, no listener */
+    int64_t in_next_dial;         /* in_relay: next dial of the in link (backoff) */
+    int in_attempt;
+    bool in_warned;
+    char relay_ca[512], relay_pin[65]; /* kvs_stage_params.relay_ca / relay_pin ("" = none) */
 
     /* head: ring probes */
     uint32_t probe_no;
@@ -168,6 +176,12 @@ void kvs_st_pend_close(struct pending_link *pl);
 void kvs_st_accept_new(struct kvs_stage *s);
 void kvs_st_pend_read(struct kvs_stage *s, struct pending_link *pl);
 void kvs_st_dial_next(struct kvs_stage *s);
+/* in_relay: dials the in link out to the relay as the edge's downstream end
+ * (backoff like the out link) when there is none; it becomes a pending link. */
+void kvs_st_dial_in(struct kvs_stage *s);
+/* Checks a link address: "HOST:PORT" (dialable unless `listen`) or a relay
+ * URL with its token. KVS_ERR_ARG with the reason in why. */
+kvs_err kvs_st_check_addr(const char *addr, bool listen, char *why, size_t cap);
 void kvs_st_out_read(struct kvs_stage *s);
 
 /* --- the sequence table and the data path of a window: REQUEST_START, PREFILL, DECODE, END, ERROR (stage_seq.c) --- */

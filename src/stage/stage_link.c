@@ -316,6 +316,8 @@ void kvs_st_pend_read(struct kvs_stage *s, struct pending_link *pl)
         pthread_mutex_unlock(&s->mu);
         s->in = pl->l;
         pl->l = NULL;
+        s->in_attempt = 0;
+        s->in_warned = false;
         kvs_proto_decoder_reset(s->in_dec);
         s->in_last_read = kvs_link_now_ms();
         KVS_LOGI("predecessor [%u,%u) connected from %s", o.block_begin, o.block_end, s->in->peer);
@@ -351,11 +353,87 @@ static void out_refused(struct kvs_stage *s, kvs_err code, const char *msg)
 
 static void out_hello(struct kvs_stage *s);
 
+kvs_err kvs_st_check_addr(const char *addr, bool listen, char *why, size_t cap)
+{
+    why[0] = '\0';
+    if (kvs_ws_is_url(addr)) {
+        struct kvs_ws_url u;
+        if (kvs_ws_url_parse(addr, &u, why, cap)) return KVS_ERR_ARG;
+        if (!u.token[0]) {
+            snprintf(why, cap, "a relay URL needs its edge token (?token=HEX, kvasir relay token)");
+            return KVS_ERR_ARG;
+        }
+        return KVS_OK;
+    }
+    char host[256] = "";
+    uint16_t port = 0;
+    if (kvs_addr_parse(addr, host, sizeof host, &port, why, cap)) return KVS_ERR_ARG;
+    if (listen) return KVS_OK;
+    if (!host[0]) snprintf(why, cap, "a HOST is needed");
+    else if (!port) snprintf(why, cap, "port 0 cannot be dialed");
+    return why[0] ? KVS_ERR_ARG : KVS_OK;
+}
+
+/* Dials addr: direct TCP for HOST:PORT, else through the relay as `role`'s
+ * end of the URL's edge (RELAY.md §2), trusting the relay by s->relay_ca or
+ * s->relay_pin. The set-up (TCP, TLS to the relay, upgrade) blocks the loop
+ * for at most timeout_ms. */
+static kvs_err dial_link(struct kvs_stage *s, const char *addr, uint8_t role, int timeout_ms, struct kvs_link **l,
+                         char *err, size_t errlen)
+{
+    if (!kvs_ws_is_url(addr)) return kvs_tcp_dial(addr, timeout_ms, l, err, errlen);
+    struct kvs_ws_opts o = { .role = role,
+                             .ca_file = s->relay_ca[0] ? s->relay_ca : NULL,
+                             .pin_sha256 = s->relay_pin[0] ? s->relay_pin : NULL };
+    return kvs_ws_dial(addr, &o, timeout_ms, l, err, errlen);
+}
+
+#define RELAY_DIAL_MS 1500 /* set-up of a link through the relay: TCP + TLS + upgrade */
+
+void kvs_st_dial_in(struct kvs_stage *s)
+{
+    if (!s->in_relay || s->in) return;
+    for (int i = 0; i < MAX_PENDING_LINKS; i++)
+        if (s->pend[i].l && s->pend[i].relay) return; /* dialed: waits for its partner or its HELLO */
+    int64_t now = kvs_link_now_ms();
+    if (now < s->in_next_dial) return;
+    s->in_next_dial = now + kvs_link_backoff_ms(s->in_attempt++);
+    char err[300];
+    struct kvs_link *l;
+    kvs_err e = dial_link(s, s->listen_addr, KVS_RELAY_ROLE_DOWN, RELAY_DIAL_MS, &l, err, sizeof err);
+    if (e) {
+        if (!s->in_warned && s->in_attempt >= 20) {
+            KVS_LOGW("still cannot reach the relay for the in link: %s (retrying)", err);
+            s->in_warned = true;
+        } else {
+            KVS_LOGD("in link through the relay: %s", err);
+        }
+        return;
+    }
+    /* The downstream end of the edge is the ring link's acceptor: TLS server
+     * (PROTOCOL.md §4), whichever end dialed the relay */
+    if (s->tls && kvs_tls_wrap(s->tls, l, KVS_TLS_ACCEPTOR, s->p.prev_key, &l)) return;
+    int slot = 0;
+    for (int i = 0; i < MAX_PENDING_LINKS; i++)
+        if (!s->pend[i].l) slot = i;
+    kvs_st_pend_close(&s->pend[slot]); /* no listener: the table holds nothing else */
+    s->pend[slot].dec = kvs_proto_decoder_create(KVS_PROTO_HELLO_BYTES + 64, s->n_embd);
+    if (!s->pend[slot].dec) {
+        kvs_link_close(l);
+        return;
+    }
+    s->pend[slot].l = l;
+    s->pend[slot].since = now;
+    s->pend[slot].relay = true;
+    KVS_LOGD("in link dialed out to %s, waiting for the predecessor", l->peer);
+}
+
 void kvs_st_dial_next(struct kvs_stage *s)
 {
-    char err[256];
+    char err[300];
     struct kvs_link *l;
-    kvs_err e = kvs_tcp_dial(s->next_addr, 500, &l, err, sizeof err);
+    bool relay = kvs_ws_is_url(s->next_addr);
+    kvs_err e = dial_link(s, s->next_addr, KVS_RELAY_ROLE_UP, relay ? RELAY_DIAL_MS : 500, &l, err, sizeof err);
     if (!e && s->tls) {
         e = kvs_tls_wrap(s->tls, l, KVS_TLS_DIALER, s->p.next_key, &l);
         if (e) snprintf(err, sizeof err, "%s", kvs_strerror(e));

@@ -180,7 +180,7 @@ static void timers(struct kvs_stage *s)
     apply_next(s);
     int64_t now = kvs_link_now_ms();
     for (int i = 0; i < MAX_PENDING_LINKS; i++)
-        if (s->pend[i].l && now - s->pend[i].since > HANDSHAKE_MS) {
+        if (s->pend[i].l && !s->pend[i].relay && now - s->pend[i].since > HANDSHAKE_MS) {
             KVS_LOGW("closing link from %s: no HELLO within %d ms", s->pend[i].l->peer, HANDSHAKE_MS);
             kvs_st_pend_close(&s->pend[i]);
         }
@@ -190,6 +190,7 @@ static void timers(struct kvs_stage *s)
         kvs_st_in_lost(s, why);
     }
     if (s->out_state == OUT_DOWN && now >= s->out_next_dial && !s->solo) kvs_st_dial_next(s);
+    if (s->in_relay && !s->solo) kvs_st_dial_in(s);
     if (s->out_state == OUT_HANDSHAKE && now - s->out_since > HANDSHAKE_MS) kvs_st_out_lost(s, "no HELLO reply");
     if (s->out_state == OUT_UP) {
         /* Until the ring is known closed, a probe sent while a later link was
