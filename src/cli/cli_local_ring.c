@@ -3,6 +3,7 @@
  * (this same binary), rank 0 (the head) runs in the caller. */
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,6 +41,25 @@ static int free_port(struct kvs_rng *draw)
         }
     }
     return -1;
+}
+
+/* Forks and execs child k (its argument vector is ready: nothing is
+ * allocated between fork and exec). Returns the pid, or -1 (errno). */
+static pid_t spawn(struct kvs_local_ring *lr, struct kvs_local_child *k)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        /* SIGTERM when the thread that forked ends: the caller's thread, or the supervisor's,
+         * which ends only in kvs_local_ring_stop (which then stops every child anyway) */
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (lr->has_child_mask) pthread_sigmask(SIG_SETMASK, &lr->child_mask, NULL);
+        execv(k->self, k->args);
+        _exit(127);
+    }
+    k->started_ms = kvs_link_now_ms();
+    return pid;
 }
 
 int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_ring *lr,
@@ -125,57 +145,69 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
             else kvs_key_free(k);
         }
     }
-    char a_listen[64], a_next[64], a_win[64], a_thr[24], a_ctx[16], a_seq[16], a_delay[16], a_key[128];
+    lr->kids = calloc((size_t)n, sizeof *lr->kids);
+    if (!lr->kids) goto fail_keys;
+    if (o->child_mask) {
+        lr->child_mask = *o->child_mask;
+        lr->has_child_mask = true;
+    }
+    snprintf(lr->who, sizeof lr->who, "%s", o->who);
+    pthread_mutex_init(&lr->mu, NULL);
+    lr->mu_init = true;
     for (int r = 1; r < n; r++) {
+        struct kvs_local_child *k = &lr->kids[r];
         int b = (int)((long)r * hp.n_block / n), en = (int)((long)(r + 1) * hp.n_block / n);
-        snprintf(a_listen, sizeof a_listen, "127.0.0.1:%d", lr->ports[r]);
-        snprintf(a_next, sizeof a_next, "127.0.0.1:%d", lr->ports[(r + 1) % n]);
-        snprintf(a_win, sizeof a_win, "%d:%d", b, en);
-        snprintf(a_thr, sizeof a_thr, "%ld", threads);
-        snprintf(a_ctx, sizeof a_ctx, "%ld", o->n_ctx);
-        snprintf(a_seq, sizeof a_seq, "%ld", o->seqs);
-        snprintf(a_delay, sizeof a_delay, "%ld", o->step_delay_ms);
+        k->block_begin = b;
+        k->block_end = en;
+        snprintf(k->self, sizeof k->self, "%s", self);
+        snprintf(k->model, sizeof k->model, "%s", o->model);
+        snprintf(k->a_listen, sizeof k->a_listen, "127.0.0.1:%d", lr->ports[r]);
+        snprintf(k->a_next, sizeof k->a_next, "127.0.0.1:%d", lr->ports[(r + 1) % n]);
+        snprintf(k->a_win, sizeof k->a_win, "%d:%d", b, en);
+        snprintf(k->a_thr, sizeof k->a_thr, "%ld", threads);
+        snprintf(k->a_ctx, sizeof k->a_ctx, "%ld", o->n_ctx);
+        snprintf(k->a_seq, sizeof k->a_seq, "%ld", o->seqs);
+        snprintf(k->a_delay, sizeof k->a_delay, "%ld", o->step_delay_ms);
         /* run --ring: the stage processes log warnings and errors only, unless the user chose a
          * level (KVASIR_LOG, -v, --log-level: inherited through the environment). */
         const bool quiet = !strcmp(o->who, "run") && !getenv("KVASIR_LOG");
-        snprintf(a_key, sizeof a_key, "%s/rank%d.key", lr->key_dir, r);
-        char *args[32] = { self, "stage", "-m", (char *)o->model, "--window", a_win, "--listen", a_listen,
-                           "--next", a_next, "--threads", a_thr, "--ctx", a_ctx, "--seqs", a_seq,
-                           "--boundary", o->boundary_f32 ? "f32" : "f16" };
-        int na = 18;
+        snprintf(k->a_key, sizeof k->a_key, "%s/rank%d.key", lr->key_dir, r);
+        if (keyed) {
+            snprintf(k->a_prev_key, sizeof k->a_prev_key, "%s", pub_hex[r - 1]);
+            snprintf(k->a_next_key, sizeof k->a_next_key, "%s", pub_hex[(r + 1) % n]);
+        }
+        char **args = k->args;
+        int na = 0;
+        const char *fixed[] = { k->self, "stage", "-m", k->model, "--window", k->a_win, "--listen", k->a_listen,
+                                "--next", k->a_next, "--threads", k->a_thr, "--ctx", k->a_ctx, "--seqs", k->a_seq,
+                                "--boundary", o->boundary_f32 ? "f32" : "f16" };
+        for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++) args[na++] = (char *)fixed[i];
         if (quiet) { /* else no --log-level: the environment's level */
             args[na++] = "--log-level";
             args[na++] = "warn";
         }
         if (keyed) {
             args[na++] = "--key";
-            args[na++] = a_key;
+            args[na++] = k->a_key;
             args[na++] = "--prev-key";
-            args[na++] = pub_hex[r - 1];
+            args[na++] = k->a_prev_key;
             args[na++] = "--next-key";
-            args[na++] = pub_hex[(r + 1) % n];
+            args[na++] = k->a_next_key;
         } else {
             args[na++] = "--insecure";
         }
         if (o->step_delay_ms) {
             args[na++] = "--step-delay";
-            args[na++] = a_delay;
+            args[na++] = k->a_delay;
         }
         args[na] = NULL;
-        fflush(NULL);
-        pid_t pid = fork();
+        pid_t pid = spawn(lr, k);
         if (pid < 0) {
             fprintf(stderr, "kvasir %s: fork: %s\n", o->who, strerror(errno));
             goto fail_keys;
         }
-        if (pid == 0) {
-            prctl(PR_SET_PDEATHSIG, SIGTERM);
-            if (o->child_mask) pthread_sigmask(SIG_SETMASK, o->child_mask, NULL);
-            execv(self, args);
-            _exit(127);
-        }
         lr->pids[r] = pid;
-        KVS_LOGI("%s: rank %d (pid %d) blocks [%d,%d) on %s", o->who, r, (int)pid, b, en, a_listen);
+        KVS_LOGI("%s: rank %d (pid %d) blocks [%d,%d) on %s", o->who, r, (int)pid, b, en, k->a_listen);
     }
     snprintf(lr->head_listen, sizeof lr->head_listen, "127.0.0.1:%d", lr->ports[0]);
     snprintf(lr->head_next, sizeof lr->head_next, "127.0.0.1:%d", lr->ports[1 % n]);
@@ -207,22 +239,114 @@ fail:
     return 1;
 }
 
+/* Restart delay after `quick` consecutive short lives (the child ran less
+ * than SUPERVISE_STABLE_MS, this exit included): at once for the first, then
+ * 250 ms doubling to 8 s (a child that cannot start does not spin). */
+#define SUPERVISE_STABLE_MS 10000
+static int restart_delay_ms(int quick)
+{
+    if (quick <= 1) return 0;
+    int ms = 250;
+    for (int i = 2; i < quick && ms < 8000; i++) ms *= 2;
+    return ms > 8000 ? 8000 : ms;
+}
+
+static void describe_status(int st, char *buf, size_t cap)
+{
+    if (WIFSIGNALED(st)) snprintf(buf, cap, "killed by signal %d", WTERMSIG(st));
+    else if (WIFEXITED(st)) snprintf(buf, cap, "exit status %d", WEXITSTATUS(st));
+    else snprintf(buf, cap, "status %d", st);
+}
+
 int kvs_local_ring_poll_children(struct kvs_local_ring *lr)
 {
     int died = 0;
+    if (!lr->pids || !lr->kids) return 0;
+    pthread_mutex_lock(&lr->mu);
+    int64_t now = kvs_link_now_ms();
     for (int r = 1; r < lr->n; r++) {
+        struct kvs_local_child *k = &lr->kids[r];
         int st;
-        if (lr->pids && lr->pids[r] > 0 && waitpid(lr->pids[r], &st, WNOHANG) == lr->pids[r]) {
-            KVS_LOGE("rank %d (pid %d) exited (status %d)", r, (int)lr->pids[r], st);
-            lr->pids[r] = 0;
+        if (lr->pids[r] > 0 && waitpid(lr->pids[r], &st, WNOHANG) == lr->pids[r]) {
+            char how[48];
+            describe_status(st, how, sizeof how);
             died++;
+            if (!lr->supervise) {
+                KVS_LOGE("rank %d (pid %d) exited (%s)", r, (int)lr->pids[r], how);
+                lr->pids[r] = 0;
+                continue;
+            }
+            k->quick = now - k->started_ms < SUPERVISE_STABLE_MS ? k->quick + 1 : 0;
+            int delay = restart_delay_ms(k->quick);
+            k->restart_at_ms = now + delay;
+            k->waiting = true;
+            KVS_LOGW("%s: rank %d (pid %d, blocks [%d,%d)) exited (%s): restarting it in %d ms", lr->who, r,
+                     (int)lr->pids[r], k->block_begin, k->block_end, how, delay);
+            lr->pids[r] = 0;
+        }
+        if (lr->supervise && k->waiting && now >= k->restart_at_ms) {
+            pid_t pid = spawn(lr, k);
+            if (pid < 0) {
+                k->quick++;
+                k->restart_at_ms = now + restart_delay_ms(k->quick);
+                KVS_LOGE("%s: rank %d: fork: %s (next try in %d ms)", lr->who, r, strerror(errno),
+                         restart_delay_ms(k->quick));
+                continue;
+            }
+            k->waiting = false;
+            k->restarts++;
+            lr->pids[r] = pid;
+            lr->restarts++;
+            KVS_LOGW("%s: rank %d restarted (pid %d, blocks [%d,%d) on %s, restart %d)", lr->who, r, (int)pid,
+                     k->block_begin, k->block_end, k->a_listen, k->restarts);
         }
     }
+    pthread_mutex_unlock(&lr->mu);
     return died;
+}
+
+static void *supervise_main(void *arg)
+{
+    struct kvs_local_ring *lr = arg;
+    for (;;) {
+        pthread_mutex_lock(&lr->mu);
+        bool stop = lr->sup_stop;
+        pthread_mutex_unlock(&lr->mu);
+        if (stop) break;
+        kvs_local_ring_poll_children(lr);
+        poll(NULL, 0, 50);
+    }
+    return NULL;
+}
+
+int kvs_local_ring_supervise(struct kvs_local_ring *lr)
+{
+    if (!lr->kids || lr->n < 2 || lr->sup_running) return 0;
+    pthread_mutex_lock(&lr->mu);
+    lr->supervise = true;
+    lr->sup_stop = false;
+    pthread_mutex_unlock(&lr->mu);
+    if (pthread_create(&lr->sup, NULL, supervise_main, lr)) {
+        pthread_mutex_lock(&lr->mu);
+        lr->supervise = false;
+        pthread_mutex_unlock(&lr->mu);
+        fprintf(stderr, "kvasir %s: cannot start the stage supervisor\n", lr->who);
+        return 1;
+    }
+    lr->sup_running = true;
+    return 0;
 }
 
 void kvs_local_ring_stop(struct kvs_local_ring *lr)
 {
+    if (lr->sup_running) {
+        pthread_mutex_lock(&lr->mu);
+        lr->sup_stop = true;
+        lr->supervise = false;
+        pthread_mutex_unlock(&lr->mu);
+        pthread_join(lr->sup, NULL);
+        lr->sup_running = false;
+    }
     if (lr->pids) {
         for (int i = 0; i < lr->n; i++)
             if (lr->pids[i] > 0) kill(lr->pids[i], SIGTERM);
@@ -255,7 +379,11 @@ void kvs_local_ring_stop(struct kvs_local_ring *lr)
     lr->head_key = NULL;
     free(lr->ports);
     free(lr->pids);
+    free(lr->kids);
     lr->ports = NULL;
     lr->pids = NULL;
+    lr->kids = NULL;
+    if (lr->mu_init) pthread_mutex_destroy(&lr->mu);
+    lr->mu_init = false;
     lr->n = 0;
 }

@@ -371,6 +371,8 @@ int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o
         kvs_stage_ring_error(head, why, sizeof why);
         fprintf(stderr, "kvasir: the ring cannot close: %s (%s)\n", why, kvs_strerror(we));
         rc = 1;
+    } else if (o->children && kvs_local_ring_supervise(o->children)) {
+        rc = 1;
     } else {
         if (o->t_start_ms > 0) sum.load_ms = kvs_cli_now_ms() - o->t_start_ms;
         rc = o->prompts_path ? client_many(head, o, &c, &sum) : client_one(head, o, &c, &sum);

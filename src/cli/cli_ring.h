@@ -34,6 +34,7 @@ bool kvs_ring_client_opt(const char *a, const char *v, struct kvs_ring_client_op
 int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o);
 
 /* --- a local ring (run --ring N, serve --ring N) ---------------------------- */
+#include <pthread.h>
 #include <signal.h>
 #include <sys/types.h>
 
@@ -48,6 +49,19 @@ struct kvs_local_ring_opts {
     const sigset_t *child_mask; /* signal mask the children start with (NULL: inherited) */
 };
 
+/* One child stage: its argument vector (kept for restarts) and supervision state. */
+struct kvs_local_child {
+    char *args[40];
+    char self[4096], model[1024];
+    char a_listen[64], a_next[64], a_win[64], a_thr[24], a_ctx[24], a_seq[24], a_delay[24], a_key[128];
+    char a_prev_key[80], a_next_key[80];
+    int block_begin, block_end;
+    int64_t started_ms, restart_at_ms; /* kvs_link_now_ms */
+    bool waiting;             /* exited: restart at restart_at_ms */
+    int quick;                /* consecutive lives shorter than 10 s (backoff) */
+    int restarts;
+};
+
 struct kvs_local_ring {
     int n;
     uint32_t n_block;
@@ -56,6 +70,14 @@ struct kvs_local_ring {
     char head_listen[64], head_next[64];
     struct kvs_key *head_key; /* rank 0's throw-away key (NULL: insecure or one stage) */
     char key_dir[64];         /* mode-0700 folder of the children's throw-away key files, "" if none */
+    struct kvs_local_child *kids; /* [n]; [0] unused */
+    char who[16];
+    sigset_t child_mask;
+    bool has_child_mask;
+    pthread_mutex_t mu;       /* pids, kids and the flags below, between the caller and the supervisor */
+    bool mu_init, supervise, sup_stop, sup_running;
+    pthread_t sup;
+    int restarts;             /* children restarted so far */
 };
 
 /* Starts ranks 1..n-1 as child `kvasir stage` processes (this binary) with
@@ -67,9 +89,18 @@ struct kvs_local_ring {
  * printing the error and stopping what it started. */
 int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_ring *lr,
                          struct kvs_stage_params *head);
-/* Reaps children that exited (logging each); returns how many did. */
+/* Reaps children that exited (logging each); returns how many did. Under
+ * supervision (kvs_local_ring_supervise) it also restarts them: the same
+ * command line (window, port, key), at once, or after 250 ms doubling to 8 s
+ * when it keeps dying within 10 s of its start; a log line for each exit and each
+ * restart. Thread-safe. */
 int kvs_local_ring_poll_children(struct kvs_local_ring *lr);
-/* SIGTERM to every child, reaped within 3 s (then SIGKILL); frees lr's arrays, key and key files. */
+/* Starts the supervisor: a thread that polls the children every 50 ms and
+ * restarts those that die, until kvs_local_ring_stop. Returns 0, or 1 (after
+ * a message) if the thread cannot start. A no-op for a one-stage ring. */
+int kvs_local_ring_supervise(struct kvs_local_ring *lr);
+/* Stops the supervisor, then SIGTERM to every child, reaped within 3 s (then SIGKILL); frees lr's
+ * arrays, key and key files. */
 void kvs_local_ring_stop(struct kvs_local_ring *lr);
 
 /* `kvasir run --ring N ...` (called from kvs_cli_run). */

@@ -186,7 +186,9 @@ int kvs_cli_serve(int argc, char **argv)
     else
         KVS_LOGI("serve: one process (the whole model), API on http://%s:%u", host, (unsigned)kvs_api_port(api));
 
-    /* Wait for a signal; note children that die (the ring then reports not ready). */
+    /* Wait for a signal; the supervisor restarts children that die (the ring
+     * reports not ready meanwhile, and the head holds its requests). */
+    if (kvs_local_ring_supervise(&lr)) goto done;
     for (;;) {
         struct pollfd pf = { .fd = sfd, .events = POLLIN };
         int pr = poll(&pf, 1, 500);
@@ -199,7 +201,6 @@ int kvs_cli_serve(int argc, char **argv)
         } else if (pr < 0 && errno != EINTR) {
             break;
         }
-        kvs_local_ring_poll_children(&lr);
     }
     rc = 0;
 done:
