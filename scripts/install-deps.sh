@@ -4,7 +4,8 @@
 set -euo pipefail
 PKGS="build-essential cmake pkg-config python3 clang libclang-rt-14-dev libcurl4-openssl-dev \
 libmicrohttpd-dev libssl-dev libjansson-dev libpcre2-dev libcmocka-dev libwebsockets-dev libsqlite3-dev \
-iproute2 nftables openssl lighttpd curl chromium"
+iproute2 nftables openssl lighttpd curl chromium \
+ocl-icd-opencl-dev opencl-headers pocl-opencl-icd"
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"
 missing=""

@@ -44,6 +44,18 @@ int kvs_cli_parse_float(const char *s, float *out);
 uint64_t kvs_cli_random_seed(void);
 int kvs_cli_parse_seed(const char *s, uint64_t *out);
 
+/* --- compute backend (run, serve, stage, eval, bench) --- */
+
+/* If option a is `--backend cpu|opencl` or `--device N` (an OpenCL device
+ * index, kvasir bench --probe lists them), parses v into *backend (0 cpu,
+ * 1 opencl: enum kvs_backend) or *device and returns 1, setting *bad when v
+ * is not valid; else returns 0. */
+int kvs_cli_backend_opt(const char *a, const char *v, int *backend, int *device, int *bad);
+#define KVS_CLI_BACKEND_HELP                                                                                   \
+    "  --backend cpu|opencl  compute backend of the window (default cpu); opencl runs every block on an\n"     \
+    "                        OpenCL device (weights uploaded once, KV cache on the device)\n"                  \
+    "  --device N            OpenCL device index (default 0; kvasir bench --probe lists them)\n"
+
 /* --- the summary after the text (run, run --ring, stage -p) --- */
 
 /* Milliseconds on the monotonic clock. */

@@ -147,3 +147,21 @@ int kvs_cli_api_key(const char *key, const char *file, char *buf, size_t cap, co
     }
     return 0;
 }
+
+int kvs_cli_backend_opt(const char *a, const char *v, int *backend, int *device, int *bad)
+{
+    if (!strcmp(a, "--backend")) {
+        *bad = 0;
+        if (!strcmp(v, "cpu")) *backend = 0;
+        else if (!strcmp(v, "opencl")) *backend = 1;
+        else *bad = 1;
+        return 1;
+    }
+    if (!strcmp(a, "--device")) {
+        long d = 0;
+        *bad = kvs_cli_parse_long(v, 0, 63, &d) != 0;
+        if (!*bad) *device = (int)d;
+        return 1;
+    }
+    return 0;
+}

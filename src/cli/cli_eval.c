@@ -19,8 +19,10 @@
 static void eval_usage(FILE *f)
 {
     fprintf(f, "usage: kvasir eval -m MODEL --tokens ID,ID,... [--top K] [--threads T] [--batch N]\n"
+               "                  [--backend cpu|opencl] [--device N]\n"
                "  Evaluates the ids teacher-forced and prints one JSON line per position:\n"
                "  {\"pos\": i, \"top\": [[id, prob], ...]} (K entries, default 8).\n");
+    fputs(KVS_CLI_BACKEND_HELP, f);
     fputs(KVS_CLI_MODEL_URL_HELP, f);
 }
 
@@ -53,6 +55,7 @@ int kvs_cli_eval(int argc, char **argv)
 {
     const char *model_path = NULL, *tokens = NULL;
     long top = 8, threads = kvs_cli_default_threads(), batch = 512;
+    int backend = 0, device = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -67,7 +70,9 @@ int kvs_cli_eval(int argc, char **argv)
         }
         i++; /* v is this option's value */
         int bad = 0;
-        if (!strcmp(a, "-m") || !strcmp(a, "--model"))
+        if (kvs_cli_backend_opt(a, v, &backend, &device, &bad))
+            ;
+        else if (!strcmp(a, "-m") || !strcmp(a, "--model"))
             model_path = v;
         else if (!strcmp(a, "--tokens"))
             tokens = v;
@@ -100,7 +105,7 @@ int kvs_cli_eval(int argc, char **argv)
     }
 
     int rc = 1;
-    char err[512] = "";
+    char err[4096] = "";
     struct kvs_gguf *g = NULL;
     struct kvs_model *m = NULL;
     float *logits = NULL;
@@ -117,6 +122,8 @@ int kvs_cli_eval(int argc, char **argv)
     mp.n_ctx = (int32_t)n;
     mp.n_batch = (int32_t)(n < batch ? n : batch);
     mp.n_threads = (int32_t)threads;
+    mp.backend = backend ? KVS_BACKEND_OPENCL : KVS_BACKEND_CPU;
+    mp.device = device;
     if ((e = kvs_model_load(g, &mp, &m, err, sizeof err))) {
         KVS_LOGE("eval: %s: %s (%s)", model_path, kvs_strerror(e), err);
         goto done;

@@ -34,8 +34,20 @@ struct kvs_model_params kvs_model_default_params(void)
 {
     struct kvs_model_params p = {
         .block_begin = 0, .block_end = -1, .n_ctx = 0, .n_seq = 1, .n_batch = 512, .n_threads = 2,
+        .backend = KVS_BACKEND_CPU, .device = 0,
     };
     return p;
+}
+
+const char *kvs_backend_name(enum kvs_backend b) { return b == KVS_BACKEND_OPENCL ? "opencl" : "cpu"; }
+
+int kvs_backend_parse(const char *s, enum kvs_backend *out)
+{
+    if (!s) return -1;
+    if (!strcmp(s, "cpu")) *out = KVS_BACKEND_CPU;
+    else if (!strcmp(s, "opencl")) *out = KVS_BACKEND_OPENCL;
+    else return -1;
+    return 0;
 }
 
 /* --- loading --------------------------------------------------------------- */
@@ -157,6 +169,8 @@ static void *alloc3(size_t a, size_t b, size_t c, size_t sz)
 }
 
 static size_t max_sz(size_t a, size_t b) { return a > b ? a : b; }
+
+static const struct kvs_model_ops cpu_ops; /* the CPU backend, below */
 
 /* Packing the window's matrices (pack_weights), split over the pool. */
 #define PACK_MAX 16
@@ -349,7 +363,8 @@ kvs_err kvs_model_load(const struct kvs_gguf *g, const struct kvs_model_params *
     }
 
     /* KV cache (attention blocks only) and work buffers. */
-    size_t cache_rows = (size_t)m->n_kv_blk * (size_t)m->n_seq;
+    const bool on_host = p->backend == KVS_BACKEND_CPU; /* the OpenCL backend keeps its cache on the device */
+    size_t cache_rows = on_host ? (size_t)m->n_kv_blk * (size_t)m->n_seq : 0;
     m->kcache = alloc3(cache_rows, (size_t)m->n_ctx, (size_t)m->kv_dim, sizeof(uint16_t));
     m->vcache = alloc3(cache_rows, (size_t)m->n_ctx, (size_t)m->kv_dim, sizeof(uint16_t));
     m->n_past = calloc((size_t)m->n_seq, sizeof(int32_t));
@@ -414,7 +429,12 @@ kvs_err kvs_model_load(const struct kvs_gguf *g, const struct kvs_model_params *
         set_err(errbuf, errlen, "cannot create a pool of %d threads", (int)m->n_threads);
         goto fail;
     }
-    pack_weights(m);
+    m->ops = &cpu_ops;
+    if (p->backend == KVS_BACKEND_OPENCL) {
+        if ((e = kvs_model__ocl_load(m, p->device, errbuf, errlen))) goto fail;
+    } else {
+        pack_weights(m);
+    }
     KVS_LOGD("model: %s window [%d, %d) of %u blocks, n_ctx %d, n_seq %d, n_batch %d, %d threads", hp->arch_name,
              (int)m->begin, (int)m->end, hp->n_block, (int)m->n_ctx, (int)m->n_seq, (int)m->n_batch,
              (int)m->n_threads);
@@ -431,6 +451,7 @@ fail:
 void kvs_model_free(struct kvs_model *m)
 {
     if (!m) return;
+    kvs_model__ocl_free(m);
     kvs_pool_destroy(m->pool);
     if (m->packw)
         munmap(m->packw, m->packw_bytes);
@@ -542,24 +563,12 @@ static kvs_err check_batch(struct kvs_model *m, const struct kvs_batch *b)
     return KVS_OK;
 }
 
-kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float *out)
-{
-    if (!m || !b || !out) return KVS_ERR_ARG;
-    kvs_err e = check_batch(m, b);
-    if (e) return e;
-    const int32_t n = b->n_tokens;
-    if (n == 0) return KVS_OK;
-    const struct kvs_hparams *hp = &m->hp;
-    const int64_t E = hp->n_embd;
-    for (int32_t s = 0; s < m->n_seq; s++)
-        if (m->expect[s] >= 0) {
-            m->n_past[s] = m->expect[s];
-            if (m->n_rs_blk) {
-                if (m->first[s] == 0) clear_recurrent(m, s); /* a new sequence starts from zero state */
-                m->rs_dirty[s] = 1;
-            }
-        }
+/* --- the CPU backend ------------------------------------------------------- */
 
+static kvs_err cpu_input(struct kvs_model *m, const struct kvs_batch *b)
+{
+    const int32_t n = b->n_tokens;
+    const int64_t E = m->hp.n_embd;
     if (kvs_model_has_embd(m)) {
         const struct kvs_gguf_tensor *te = m->tok_embd;
         const size_t rb = kvs_type_row_bytes(te->type, E);
@@ -569,27 +578,32 @@ kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float 
     } else {
         memcpy(m->x, b->embd, (size_t)n * (size_t)E * sizeof(float));
     }
-    for (int32_t t = 0; t < n; t++) kvs_model__rope_table(m, b->pos[t], m->rope_cs + (size_t)t * hp->n_rot);
+    for (int32_t t = 0; t < n; t++) kvs_model__rope_table(m, b->pos[t], m->rope_cs + (size_t)t * m->hp.n_rot);
+    return KVS_OK;
+}
 
-    for (int32_t il = 0; il < m->n_blk; il++) {
-        const struct block_w *w = &m->blk[il];
-        for (int32_t t = 0; t < n; t++)
-            kvs_model__rmsnorm(m->xn + (size_t)t * (size_t)E, m->x + (size_t)t * (size_t)E, w->attn_norm, E,
-                               hp->rms_eps);
-        if (w->recurrent)
-            kvs_model__gdn(m, b, il);
-        else
-            kvs_model__attention(m, b, il);
-        for (int32_t t = 0; t < n; t++)
-            kvs_model__rmsnorm(m->xn + (size_t)t * (size_t)E, m->x + (size_t)t * (size_t)E, w->ffn_norm, E,
-                               hp->rms_eps);
-        if (hp->n_expert)
-            kvs_model__ffn_moe(m, w, n);
-        else
-            kvs_model__ffn_dense(m, w, n);
-        for (size_t i = 0; i < (size_t)n * (size_t)E; i++) m->x[i] += m->tmp[i];
-    }
+static void cpu_norm(struct kvs_model *m, int32_t il, bool ffn, int32_t n)
+{
+    const int64_t E = m->hp.n_embd;
+    const float *w = ffn ? m->blk[il].ffn_norm : m->blk[il].attn_norm;
+    for (int32_t t = 0; t < n; t++)
+        kvs_model__rmsnorm(m->xn + (size_t)t * (size_t)E, m->x + (size_t)t * (size_t)E, w, E, m->hp.rms_eps);
+}
 
+static void cpu_ffn(struct kvs_model *m, int32_t il, int32_t n)
+{
+    const struct block_w *w = &m->blk[il];
+    if (m->hp.n_expert)
+        kvs_model__ffn_moe(m, w, n);
+    else
+        kvs_model__ffn_dense(m, w, n);
+    for (size_t i = 0; i < (size_t)n * (size_t)m->hp.n_embd; i++) m->x[i] += m->tmp[i];
+}
+
+static kvs_err cpu_output(struct kvs_model *m, const struct kvs_batch *b, float *out)
+{
+    const int32_t n = b->n_tokens;
+    const int64_t E = m->hp.n_embd;
     if (!kvs_model_has_head(m)) {
         memcpy(out, m->x, (size_t)n * (size_t)E * sizeof(float));
         return kvs_vec_all_finite(out, (size_t)n * (size_t)E) ? KVS_OK : KVS_ERR_NUMERIC;
@@ -598,10 +612,51 @@ kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float 
     for (int32_t t = 0; t < n; t++) {
         const bool want = b->logits ? b->logits[t] != 0 : t == n - 1;
         if (!want) continue;
-        kvs_model__rmsnorm(m->xn + (size_t)n_out * (size_t)E, m->x + (size_t)t * (size_t)E, m->out_norm, E, hp->rms_eps);
+        kvs_model__rmsnorm(m->xn + (size_t)n_out * (size_t)E, m->x + (size_t)t * (size_t)E, m->out_norm, E,
+                           m->hp.rms_eps);
         n_out++;
     }
     if (n_out) kvs_matmul(m->k, kvs_model__mm_pool(m, m->out_w.ne1, E, n_out), &m->out_w, m->xn, n_out, out, m->mm_scratch);
     /* corrupt weights or a broken boundary must not become token 0 */
-    return kvs_vec_all_finite(out, (size_t)n_out * (size_t)hp->n_vocab) ? KVS_OK : KVS_ERR_NUMERIC;
+    return kvs_vec_all_finite(out, (size_t)n_out * (size_t)m->hp.n_vocab) ? KVS_OK : KVS_ERR_NUMERIC;
+}
+
+static const struct kvs_model_ops cpu_ops = {
+    .name = "cpu",
+    .input = cpu_input,
+    .norm = cpu_norm,
+    .attention = kvs_model__attention,
+    .gdn = kvs_model__gdn,
+    .ffn = cpu_ffn,
+    .output = cpu_output,
+};
+
+kvs_err kvs_model_forward(struct kvs_model *m, const struct kvs_batch *b, float *out)
+{
+    if (!m || !b || !out) return KVS_ERR_ARG;
+    kvs_err e = check_batch(m, b);
+    if (e) return e;
+    const int32_t n = b->n_tokens;
+    if (n == 0) return KVS_OK;
+    for (int32_t s = 0; s < m->n_seq; s++)
+        if (m->expect[s] >= 0) {
+            m->n_past[s] = m->expect[s];
+            if (m->n_rs_blk) {
+                if (m->first[s] == 0) clear_recurrent(m, s); /* a new sequence starts from zero state */
+                m->rs_dirty[s] = 1;
+            }
+        }
+
+    const struct kvs_model_ops *ops = m->ops;
+    if ((e = ops->input(m, b))) return e;
+    for (int32_t il = 0; il < m->n_blk; il++) {
+        ops->norm(m, il, false, n);
+        if (m->blk[il].recurrent)
+            ops->gdn(m, b, il);
+        else
+            ops->attention(m, b, il);
+        ops->norm(m, il, true, n);
+        ops->ffn(m, il, n);
+    }
+    return ops->output(m, b, out);
 }

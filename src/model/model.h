@@ -86,6 +86,16 @@ size_t kvs_hparams_recurrent_bytes(const struct kvs_hparams *hp);
  * architecture), KVS_ERR_FORMAT/NOT_FOUND (missing or mistyped keys). */
 kvs_err kvs_hparams_read(const struct kvs_gguf *g, struct kvs_hparams *hp, char *errbuf, size_t errlen);
 
+/* The compute backend of a window (chosen once at load). */
+enum kvs_backend {
+    KVS_BACKEND_CPU = 0, /* the kernels module (SIMD) on the host */
+    KVS_BACKEND_OPENCL,  /* an OpenCL device (src/ocl): weights, KV cache and blocks on the device */
+};
+/* "cpu" / "opencl". */
+const char *kvs_backend_name(enum kvs_backend b);
+/* Parses "cpu" or "opencl"; -1 for anything else. */
+int kvs_backend_parse(const char *s, enum kvs_backend *out);
+
 struct kvs_model_params {
     int32_t block_begin;   /* first block, default 0 */
     int32_t block_end;     /* one past the last block; -1 = n_block (default) */
@@ -93,6 +103,8 @@ struct kvs_model_params {
     int32_t n_seq;         /* sequence slots (KV caches); default 1 */
     int32_t n_batch;       /* most tokens per forward call; default 512 */
     int32_t n_threads;     /* compute threads; default 2 */
+    enum kvs_backend backend; /* default KVS_BACKEND_CPU */
+    int32_t device;        /* OpenCL device index (kvs_ocl_devices order); default 0 */
 };
 struct kvs_model_params kvs_model_default_params(void);
 
@@ -102,7 +114,14 @@ struct kvs_model; /* opaque */
  * the KV cache (F16) and every work buffer up front: forward allocates
  * nothing. Errors: KVS_ERR_RANGE (bad window), KVS_ERR_NOT_FOUND (a tensor the
  * window needs is absent), KVS_ERR_FORMAT (a tensor of the wrong shape),
- * KVS_ERR_UNSUPPORTED (tensor type), KVS_ERR_NOMEM. */
+ * KVS_ERR_UNSUPPORTED (tensor type), KVS_ERR_NOMEM.
+ * With KVS_BACKEND_OPENCL the window's weights are uploaded to the device
+ * once (their GGUF block formats), the KV cache and work buffers live
+ * there, and forward copies only the boundary or logits back; extra
+ * errors: KVS_ERR_NOT_FOUND (no OpenCL platform or device), KVS_ERR_NOMEM
+ * (the device cannot hold the window), KVS_ERR_UNSUPPORTED (a tensor type
+ * without an OpenCL kernel, qwen35 blocks, kernel build failure with the
+ * compiler's log), each with a message in errbuf. */
 kvs_err kvs_model_load(const struct kvs_gguf *g, const struct kvs_model_params *p, struct kvs_model **out,
                        char *errbuf, size_t errlen);
 void kvs_model_free(struct kvs_model *m);

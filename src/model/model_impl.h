@@ -46,8 +46,34 @@ struct block_w {
     struct kvs_matrix gate_inp_sh;       /* qwen35moe shared-expert gate {E, 1} F32 */
 };
 
+struct kvs_model;
+struct kvs_model_ocl;
+
+/* A window's compute backend: the block operations the forward loop
+ * (kvs_model_forward, model.c) composes, chosen once at load. The CPU table
+ * (model.c) runs the block-kind files on host buffers; the OpenCL one
+ * (model_ocl.c) enqueues the same steps on the device. n is the batch's
+ * token count; il a block's index within the window. */
+struct kvs_model_ops {
+    const char *name;
+    /* The batch's rows into the residual stream: embedding rows (head) or
+     * the boundary b->embd; RoPE angles of the batch's positions. */
+    kvs_err (*input)(struct kvs_model *m, const struct kvs_batch *b);
+    /* Normed input xn = rmsnorm(x) with block il's attn_norm (!ffn) or ffn_norm. */
+    void (*norm)(struct kvs_model *m, int32_t il, bool ffn, int32_t n);
+    /* x += the block's mixer on xn: attention, or Gated DeltaNet (recurrent blocks). */
+    void (*attention)(struct kvs_model *m, const struct kvs_batch *b, int32_t il);
+    void (*gdn)(struct kvs_model *m, const struct kvs_batch *b, int32_t il);
+    /* x += the block's FFN (dense or MoE) on xn. */
+    void (*ffn)(struct kvs_model *m, int32_t il, int32_t n);
+    /* The window's output to out (kvs_model_forward's contract). */
+    kvs_err (*output)(struct kvs_model *m, const struct kvs_batch *b, float *out);
+};
+
 struct kvs_model {
     struct kvs_hparams hp;
+    const struct kvs_model_ops *ops;
+    struct kvs_model_ocl *ocl; /* OpenCL backend state, else NULL */
     int32_t begin, end, n_blk;
     int32_t n_ctx, n_seq, n_batch, n_threads;
     int32_t q_dim, kv_dim; /* H·D, Hkv·D */
@@ -133,6 +159,14 @@ kvs_err kvs_model__load_attn(struct kvs_model_loader *L, int32_t il, struct bloc
 kvs_err kvs_model__load_gdn(struct kvs_model_loader *L, int32_t il, struct block_w *b);
 kvs_err kvs_model__load_ffn(struct kvs_model_loader *L, int32_t il, struct block_w *b);
 kvs_err kvs_model__load_moe(struct kvs_model_loader *L, int32_t il, struct block_w *b);
+
+/* --- OpenCL backend (model_ocl.c) ---------------------------------------- */
+/* Uploads the loaded window (m->blk views) to OpenCL device `device`,
+ * allocates the device KV cache and work buffers, sets m->ops and m->ocl.
+ * Errors as kvs_model_load's for the OpenCL backend. */
+kvs_err kvs_model__ocl_load(struct kvs_model *m, int32_t device, char *errbuf, size_t errlen);
+void kvs_model__ocl_free(struct kvs_model *m);
+extern const struct kvs_model_ops kvs_model__ocl_ops;
 
 /* --- block kinds ------------------------------------------------------------ */
 /* Each adds its output to the residual stream m->x for the batch's n tokens;
