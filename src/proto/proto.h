@@ -17,13 +17,13 @@
 #include "common/error.h"
 
 #define KVS_PROTO_MAGIC 0x5253564Bu        /* bytes "KVSR" read as a little-endian u32 */
-#define KVS_PROTO_VERSION 2u
+#define KVS_PROTO_VERSION 3u
 #define KVS_PROTO_HEADER_BYTES 24u
 #define KVS_PROTO_MAX_PAYLOAD (256u << 20) /* global cap on payload_len, bytes (§2) */
 #define KVS_PROTO_MAX_TOKENS 65536u        /* cap on n_tokens of any frame (§2) */
 #define KVS_PROTO_MAX_STOP 16u             /* stop (end-of-generation) ids per request */
 #define KVS_PROTO_MAX_ERRMSG 1024u         /* bytes of an ERROR message */
-#define KVS_PROTO_HELLO_BYTES 60u          /* HELLO payload (§3.1) */
+#define KVS_PROTO_HELLO_BYTES 64u          /* HELLO payload (§3.1) */
 #define KVS_PROTO_REQ_FIXED_BYTES 40u      /* REQUEST_START fixed part (§3.2) */
 #define KVS_PROTO_TOKEN_BYTES 8u           /* TOKEN payload (§3.5) */
 #define KVS_PROTO_TRAIL_REC_BYTES 56u      /* one record of a probe trail (§3.8.1, revision 1.1) */
@@ -93,6 +93,7 @@ struct kvs_hello {
     uint32_t role;           /* enum kvs_hello_role */
     uint32_t n_ctx;          /* sender's positions per sequence */
     uint32_t n_seq;          /* sender's sequence slots */
+    uint32_t n_batch;        /* sender's most rows per forward / PREFILL frame (version 3) */
 };
 
 /* REQUEST_START fixed fields (§3.2); prompt ids and stop ids follow. */

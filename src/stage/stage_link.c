@@ -66,6 +66,7 @@ static void make_hello(const struct kvs_stage *s, struct kvs_hello *m, uint32_t 
     m->role = role;
     m->n_ctx = (uint32_t)s->n_ctx;
     m->n_seq = (uint32_t)s->n_seq;
+    m->n_batch = (uint32_t)s->n_batch;
 }
 
 static void write_hello(const struct kvs_stage *s, uint8_t *buf, uint32_t role)
@@ -108,6 +109,13 @@ static kvs_err check_hello(const struct kvs_stage *s, const struct kvs_hello *o,
                  (int)s->n_ctx);
         snprintf(remote, rcap, "it has n_ctx %d, this stage %u (all stages need the same --ctx)", (int)s->n_ctx,
                  o->n_ctx);
+        return KVS_ERR_MISMATCH;
+    }
+    if (o->n_batch != (uint32_t)s->n_batch) {
+        snprintf(local, lcap, "it has n_batch %u, this stage %d (all stages need the same --batch)", o->n_batch,
+                 (int)s->n_batch);
+        snprintf(remote, rcap, "it has n_batch %d, this stage %u (all stages need the same --batch)",
+                 (int)s->n_batch, o->n_batch);
         return KVS_ERR_MISMATCH;
     }
     /* pred = the stage before; succ = the stage after */

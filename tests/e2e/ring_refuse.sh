@@ -11,6 +11,8 @@
 #  D. `kvasir plan` with one device -> a 1-rank manifest; `stage --manifest` runs it
 #     as a one-stage ring (text equal to `kvasir run`), with the manifest's targets
 #     (ctx, seqs, boundary) applied and CLI flags overriding them.
+#  E. a successor with another --batch, then another --ctx: refused at the handshake
+#     (PROTOCOL.md §4 step 2), each side phrasing it from its own side.
 set -uo pipefail
 BIN=${KVASIR_BIN:?}
 M=${KVASIR_SHARED:?}/models/aidreams260K.gguf
@@ -157,4 +159,23 @@ for i in 0 1 2; do
   grep -qxF "#$i ok $want" "$tmp/d3.out" || fail "D: prompt $i: $(grep "^#$i" "$tmp/d3.out")"
 done
 echo "ok: D: one-stage ring = kvasir run: '$want'"
+
+# --- E. n_batch and n_ctx differ: refused at the handshake ---------------------------------
+for what in "batch 64 512 n_batch" "ctx 96 128 n_ctx"; do
+  read -r flag theirs ours field <<<"$what"
+  "$BIN" stage -m "$M" --window 2:4 $K1 --$flag "$theirs" --listen "$(a 1)" --next "$(a 7)" >"$tmp/e.log" 2>&1 &
+  e=$!
+  pids+=($e)
+  sleep 0.3
+  timeout 15 "$BIN" stage -m "$M" --window 0:2 $K0 --$flag "$ours" --listen "$(a 0)" --next "$(a 1)" -p hi \
+    >"$tmp/e.out" 2>"$tmp/e_head.log"
+  rc=$?
+  [[ $rc == 1 ]] || fail "E: head -p with another --$flag exited $rc, expected 1"
+  why="successor $(a 1) refused this stage: it has $field $theirs, this stage $ours (all stages need the same --$flag)"
+  grep -qF "kvasir: the ring cannot close: $why" "$tmp/e_head.log" || fail "E: --$flag: $(cat "$tmp/e_head.log")"
+  grep -qF "it has $field $ours, this stage $theirs (all stages need the same --$flag)" "$tmp/e.log" ||
+    fail "E: the refusing stage's own reason (--$flag)"
+  echo "ok: E: $why"
+  term "$e" "E: refusing stage (--$flag)"
+done
 echo PASS

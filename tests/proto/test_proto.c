@@ -82,11 +82,11 @@ static void test_roundtrip_all_kinds(void **state)
 
     /* HELLO */
     struct kvs_hello he = { .n_block = 12, .block_begin = 4, .block_end = 8, .n_embd = N_EMBD,
-                            .role = KVS_HELLO_ROLE_SUCC, .n_ctx = 2048, .n_seq = 3 };
+                            .role = KVS_HELLO_ROLE_SUCC, .n_ctx = 2048, .n_seq = 3, .n_batch = 256 };
     for (int i = 0; i < 32; i++) he.fingerprint[i] = (uint8_t)(0xa0 + i);
     kvs_proto_put_hello(pay, &he);
     size_t n = build(buf, KVS_FRAME_HELLO, 0, 0, 0, 0, pay, KVS_PROTO_HELLO_BYTES);
-    assert_int_equal(n, 84);
+    assert_int_equal(n, 88);
     const struct kvs_frame *f = decode_whole(d, buf, n);
     const struct kvs_frame *g = decode_bytewise(b, buf, n);
     struct kvs_hello h2, h3;
@@ -226,7 +226,7 @@ struct bad_case {
 };
 
 #define HDR(kind, flags, req, pos, ntok, plen)                                                                \
-    0x4b, 0x56, 0x53, 0x52, 0x02, 0x00, kind, flags, (req) & 0xff, 0, 0, 0, (pos) & 0xff, 0, 0, 0, (ntok) & 0xff, \
+    0x4b, 0x56, 0x53, 0x52, 0x03, 0x00, kind, flags, (req) & 0xff, 0, 0, 0, (pos) & 0xff, 0, 0, 0, (ntok) & 0xff, \
         ((ntok) >> 8) & 0xff, ((ntok) >> 16) & 0xff, ((ntok) >> 24) & 0xff, (plen) & 0xff, ((plen) >> 8) & 0xff, \
         ((plen) >> 16) & 0xff, ((plen) >> 24) & 0xff
 
@@ -238,11 +238,14 @@ static void test_bad_frames(void **state)
           "bad magic byte 0x53 at offset 3 (expected \"KVSR\")" },
         { "http garbage", { 'G', 'E', 'T', ' ' }, 4, 0, 0, KVS_ERR_FORMAT,
           "bad magic byte 0x47 at offset 0 (expected \"KVSR\")" },
-        { "version 3", { 0x4b, 0x56, 0x53, 0x52, 0x03, 0x00, 6, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 },
-          24, 0, 0, KVS_ERR_UNSUPPORTED, "protocol version 3, this build speaks 2" },
+        { "version 4", { 0x4b, 0x56, 0x53, 0x52, 0x04, 0x00, 6, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 },
+          24, 0, 0, KVS_ERR_UNSUPPORTED, "protocol version 4, this build speaks 3" },
+        { "version 2 (HELLO without n_batch)",
+          { 0x4b, 0x56, 0x53, 0x52, 0x02, 0x00, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 60, 0, 0, 0 },
+          24, 0, 0, KVS_ERR_UNSUPPORTED, "protocol version 2, this build speaks 3" },
         { "version 1 (plaintext links before TLS)",
           { 0x4b, 0x56, 0x53, 0x52, 0x01, 0x00, 6, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 },
-          24, 0, 0, KVS_ERR_UNSUPPORTED, "protocol version 1, this build speaks 2" },
+          24, 0, 0, KVS_ERR_UNSUPPORTED, "protocol version 1, this build speaks 3" },
         { "kind 0", { HDR(0, 0, 0, 0, 0, 0) }, 24, 0, 0, KVS_ERR_FORMAT, "unknown frame kind 0" },
         { "kind 10", { HDR(10, 0, 0, 0, 0, 0) }, 24, 0, 0, KVS_ERR_FORMAT, "unknown frame kind 10" },
         { "flags on END", { HDR(KVS_FRAME_END, 0x01, 1, 0, 0, 0) }, 24, 0, 0, KVS_ERR_FORMAT,
@@ -267,8 +270,8 @@ static void test_bad_frames(void **state)
           "TOKEN payload of 4 bytes, expected 8 for 1 tokens" },
         { "end without req", { HDR(KVS_FRAME_END, 0, 0, 0, 0, 0) }, 24, 0, 0, KVS_ERR_FORMAT,
           "END frame without a request id" },
-        { "hello short", { HDR(KVS_FRAME_HELLO, 0, 0, 0, 0, 59) }, 24, 0, 0, KVS_ERR_RANGE,
-          "HELLO payload of 59 bytes, expected 60 for 0 tokens" },
+        { "hello short", { HDR(KVS_FRAME_HELLO, 0, 0, 0, 0, 63) }, 24, 0, 0, KVS_ERR_RANGE,
+          "HELLO payload of 63 bytes, expected 64 for 0 tokens" },
         { "request empty prompt", { HDR(KVS_FRAME_REQUEST_START, 0, 1, 0, 0, 40) }, 24, 0, 0, KVS_ERR_RANGE,
           "REQUEST_START with an empty prompt" },
         { "request bad length", { HDR(KVS_FRAME_REQUEST_START, 0, 1, 0, 2, 46) }, 24, 0, 0, KVS_ERR_RANGE,
@@ -352,7 +355,7 @@ static void test_protocol_md_examples(void **state)
     const struct kvs_frame *f;
 
     size_t n = doc_example(doc, "HELLO", b, sizeof b);
-    assert_int_equal(n, 84);
+    assert_int_equal(n, 88);
     f = decode_bytewise(d, b, n);
     struct kvs_hello he;
     kvs_proto_get_hello(f, &he);
@@ -364,6 +367,7 @@ static void test_protocol_md_examples(void **state)
     assert_int_equal(he.role, KVS_HELLO_ROLE_PRED);
     assert_int_equal(he.n_ctx, 128);
     assert_int_equal(he.n_seq, 4);
+    assert_int_equal(he.n_batch, 512);
 
     n = doc_example(doc, "REQUEST_START", b, sizeof b);
     assert_int_equal(n, 80);

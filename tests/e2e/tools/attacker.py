@@ -23,7 +23,7 @@ import binascii, os, select, socket, ssl, struct, subprocess, sys, tempfile, tim
 
 MAGIC = b'KVSR'
 KVASIR = os.environ.get('KVASIR_BIN', 'kvasir')
-VERSION = 2
+VERSION = 3
 
 
 def frame(kind, payload=b'', flags=0, req=0, pos=0, n=0):
@@ -51,7 +51,7 @@ def fingerprint(model):
 
 
 def hello(fp, role, nblock, wb, we, nembd, nctx, nseq):
-    return frame(1, fp + struct.pack('<7I', nblock, wb, we, nembd, role, nctx, nseq))
+    return frame(1, fp + struct.pack('<8I', nblock, wb, we, nembd, role, nctx, nseq, 512))
 
 
 _cert = None

@@ -14,7 +14,7 @@ KVASIR = subprocess.os.environ.get('KVASIR_BIN', 'kvasir')
 
 
 def frame(kind, payload=b'', flags=0, req=0, pos=0, n=0):
-    return MAGIC + struct.pack('<HBBIIII', 2, kind, flags, req, pos, n, len(payload)) + payload
+    return MAGIC + struct.pack('<HBBIIII', 3, kind, flags, req, pos, n, len(payload)) + payload
 
 
 def parse(buf):
@@ -37,7 +37,7 @@ def main():
     nblock, nembd, nctx, nseq, wb = (int(x) for x in sys.argv[5:10])
     info = subprocess.run([KVASIR, 'gguf', 'info', model], capture_output=True, text=True).stdout
     fp = next(binascii.unhexlify(l.split()[1]) for l in info.splitlines() if l.startswith('fingerprint:'))
-    hello = lambda role: frame(1, fp + struct.pack('<7I', nblock, wb, nblock, nembd, role, nctx, nseq))
+    hello = lambda role: frame(1, fp + struct.pack('<8I', nblock, wb, nblock, nembd, role, nctx, nseq, 512))
     ls = socket.socket()
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     ls.bind(('127.0.0.1', lport))
