@@ -15,19 +15,26 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: kvasir shard extract -m FULL.gguf --window BEGIN:END -o STAGE.gguf\n"
-            "       kvasir shard index FULL.gguf -o FULL.gguf.kvindex.json\n"
-            "       kvasir shard fetch --url URL --window BEGIN:END -o STAGE.gguf [--index URL_OR_FILE|auto]\n"
-            "                          [--limit-rate BYTES_PER_S] [--header-bytes N] [--progress auto|lines|none]\n"
+            "       kvasir shard index FULL.gguf -o FULL.gguf.kvindex.json   (prints content_id=HEX)\n"
+            "       kvasir shard fetch --url URL --window BEGIN:END -o STAGE.gguf [--index URL_OR_FILE|auto|none]\n"
+            "                          [--content-id HEX] [--limit-rate BYTES_PER_S] [--header-bytes N]\n"
+            "                          [--low-speed BYTES_PER_S] [--low-speed-time S] [--progress auto|lines|none]\n"
             "\n"
             "A shard of the window [BEGIN,END) holds the source's metadata plus the tensors of blocks\n"
             "BEGIN..END-1 (the embedding if BEGIN is 0, the output head if END is the block count).\n"
             "fetch downloads only those bytes with HTTP range requests; a rerun resumes an\n"
             "interrupted fetch per tensor, and finds a finished output (same window, same model,\n"
             "tensor digests intact) complete without downloading it again.\n"
-            "--index auto uses URL.kvindex.json when the server has it (kvasir seed serves the index\n"
-            "files beside the models) and fetches unverified when it answers 404.\n"
+            "--index auto (the default) uses URL.kvindex.json when the server has it (kvasir seed serves\n"
+            "the index files beside the models) and fetches UNVERIFIED, saying so on stderr, when it\n"
+            "answers 404; --index none never looks for one.\n"
+            "--content-id HEX: the model's trusted content id (from the manifest or the market listing,\n"
+            "see docs/FORMATS.md): the index must have it, so a server cannot vouch for its own bytes.\n"
+            "A transfer slower than --low-speed bytes/s (default 1024) for --low-speed-time seconds\n"
+            "(default 15) fails; header and index requests also have a 120 s deadline.\n"
             "On success fetch prints one line: 'fetched header_bytes=.. data_bytes=.. window_bytes=..\n"
-            "skipped_bytes=.. header_reused_bytes=.. requests=.. tensors=.. resumed=.. verified=yes|no'.\n");
+            "skipped_bytes=.. header_reused_bytes=.. requests=.. tensors=.. resumed=.. verified=yes|no\n"
+            "trusted=yes|no content_id=HEX|none'.\n");
 }
 
 static bool parse_u64_arg(const char *s, uint64_t *v)
@@ -117,6 +124,12 @@ static int cmd_index(int argc, char **argv)
         err = kvs_shard_index_build(g, &ix, msg, sizeof msg);
     if (!err)
         err = kvs_shard_index_save(&ix, out, msg, sizeof msg);
+    uint8_t cid[32];
+    char cidhex[65];
+    if (!err && kvs_shard_index_content_id(&ix, cid) == KVS_OK) {
+        kvs_shard_hex(cid, cidhex);
+        printf("content_id=%s\n", cidhex); /* what a manifest or a market listing should carry */
+    }
     kvs_shard_index_free(&ix);
     kvs_gguf_close(g);
     if (err) {
@@ -130,6 +143,9 @@ static int cmd_fetch(int argc, char **argv)
 {
     struct kvs_shard_fetch_params p = kvs_shard_fetch_default_params();
     const char *win = NULL;
+    p.index = "auto";
+    p.index_optional = true;
+    uint64_t ls_time = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--url") && v)
@@ -141,6 +157,16 @@ static int cmd_fetch(int argc, char **argv)
         else if (!strcmp(a, "--index") && v) {
             p.index = argv[++i];
             p.index_optional = !strcmp(p.index, "auto");
+            if (!strcmp(p.index, "none"))
+                p.index = NULL;
+        }
+        else if (!strcmp(a, "--content-id") && v)
+            p.content_id = argv[++i];
+        else if (!strcmp(a, "--low-speed") && v && parse_u64_arg(v, &p.low_speed_limit) && p.low_speed_limit)
+            i++;
+        else if (!strcmp(a, "--low-speed-time") && v && parse_u64_arg(v, &ls_time) && ls_time && ls_time < 86400) {
+            p.low_speed_time = (uint32_t)ls_time;
+            i++;
         }
         else if (!strcmp(a, "--limit-rate") && v && parse_u64_arg(v, &p.limit_rate))
             i++;
@@ -184,10 +210,20 @@ static int cmd_fetch(int argc, char **argv)
         fprintf(stderr, "kvasir shard fetch: %s: %s\n", kvs_strerror(err), msg);
         return 1;
     }
+    if (!st.verified) /* on the terminal whatever the log level: nothing checked these bytes */
+        fprintf(stderr,
+                "kvasir shard fetch: WARNING: %s is UNVERIFIED: %s, so nothing checked that the server sent the "
+                "right bytes for each range (make one with `kvasir shard index` and serve it as %s.kvindex.json)\n",
+                p.out_path, p.index ? "the server has no shard index" : "--index none", p.url);
+    else if (!st.trusted)
+        fprintf(stderr,
+                "kvasir shard fetch: note: verified against the server's own index (content id %.16s...); "
+                "give --content-id from a trusted manifest or listing to check the index itself\n",
+                st.content_id);
     printf("fetched header_bytes=%" PRIu64 " data_bytes=%" PRIu64 " window_bytes=%" PRIu64 " skipped_bytes=%" PRIu64
-           " header_reused_bytes=%" PRIu64 " requests=%u tensors=%u resumed=%u verified=%s\n",
+           " header_reused_bytes=%" PRIu64 " requests=%u tensors=%u resumed=%u verified=%s trusted=%s content_id=%s\n",
            st.header_bytes, st.data_bytes, st.window_bytes, st.skipped_bytes, st.header_reused_bytes, st.n_requests, st.n_tensors,
-           st.n_resumed, st.verified ? "yes" : "no");
+           st.n_resumed, st.verified ? "yes" : "no", st.trusted ? "yes" : "no", st.content_id[0] ? st.content_id : "none");
     return 0;
 }
 

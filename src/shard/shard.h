@@ -35,9 +35,18 @@
  * digests of the shard's tensors' data (unpadded bytes), in the shard's tensor
  * order (= source order). */
 #define KVS_SHARD_KEY_TENSORS_SHA256 "kvasir.shard.tensors_sha256"
+/* string, 64 lower-case hex: the source's content id (kvs_shard_content_id),
+ * present only when the shard's maker knew it (extract: always; fetch: when
+ * the tensors were verified against an index). Never copied from a source
+ * file's metadata. */
+#define KVS_SHARD_KEY_SOURCE_CONTENT_ID "kvasir.shard.source_content_id"
 
-/* Upper bound on a GGUF header fetched over HTTP (KVs + tensor infos). */
-#define KVS_SHARD_MAX_HEADER (1024ull * 1024 * 1024)
+/* Upper bound on a GGUF header fetched over HTTP (KVs + tensor infos): the
+ * largest real headers (262k-token vocabularies with merges) are ~20 MiB. */
+#define KVS_SHARD_MAX_HEADER (64ull * 1024 * 1024)
+/* Upper bound on a shard index fetched over HTTP for a model of n tensors: an
+ * entry is < 400 bytes of JSON (name < 64, 4 dims, two offsets, 64 hex). */
+#define KVS_SHARD_INDEX_MAX_BYTES(n) (65536ull + 1024ull * (uint64_t)(n))
 
 /* --- windows ------------------------------------------------------------- */
 
@@ -137,6 +146,25 @@ const struct kvs_shard_index_entry *kvs_shard_index_find(const struct kvs_shard_
 /* Frees the tensors array and zeroes ix. NULL allowed. */
 void kvs_shard_index_free(struct kvs_shard_index *ix);
 
+/* --- content id ------------------------------------------------------------- */
+
+/* The content id of a model (docs/FORMATS.md "Content id"): SHA-256 of
+ *   "kvasir-content-v1" || fingerprint (32 bytes) || u64le n_tensors ||
+ *   SHA-256(data of tensor) for every tensor in byte-wise name order
+ * (data = the tensor's unpadded bytes). Unlike the fingerprint (shapes) it
+ * changes with any weight. */
+
+/* From an index (its fingerprint and per-tensor digests; no file is read).
+ * Errors: KVS_ERR_FORMAT (bad fingerprint hex, two entries of one name),
+ * KVS_ERR_NOMEM. */
+kvs_err kvs_shard_index_content_id(const struct kvs_shard_index *ix, uint8_t out[32]);
+/* Of a model file: a shard's recorded KVS_SHARD_KEY_SOURCE_CONTENT_ID, or for
+ * a full model the hash of every tensor's mapped bytes (reads the whole data
+ * section: ~1.5 GB/s with SHA extensions). Errors: KVS_ERR_NOT_FOUND (a shard
+ * that records none), KVS_ERR_FORMAT (bad key), KVS_ERR_ARG (no tensor data:
+ * a header parsed from a buffer), KVS_ERR_NOMEM. */
+kvs_err kvs_shard_content_id(const struct kvs_gguf *g, uint8_t out[32], char *errbuf, size_t errlen);
+
 /* --- fetch ----------------------------------------------------------------- */
 
 struct kvs_shard_fetch_params {
@@ -144,6 +172,8 @@ struct kvs_shard_fetch_params {
     uint32_t begin, end;     /* window; begin == end == 0: every block (n_block from the header) */
     const char *out_path;    /* STAGE.gguf; work files: out_path.part, out_path.part.state */
     const char *index;       /* optional: index URL or file path; NULL = no hash check */
+    const char *content_id;  /* optional: the trusted content id (64 hex, from a manifest or a market
+                              * listing): the index must have it, and an index is then required */
     bool index_optional;     /* an index URL answering 404 means "no index" (logged), not an error */
     uint64_t limit_rate;     /* bytes/s, 0 = unlimited (tests use it to kill mid-way) */
     uint64_t initial_header; /* first header read, bytes; 0 = 1 MiB */
@@ -153,6 +183,8 @@ struct kvs_shard_fetch_params {
                                  * never logged. curl does not resend them to another host or port
                                  * after a redirect (a CDN gets the signed URL only). */
     size_t n_headers;
+    uint64_t low_speed_limit; /* bytes/s; a transfer below it for low_speed_time fails (0 = 1024) */
+    uint32_t low_speed_time;  /* seconds (0 = 15); header and index requests also have a 120 s deadline */
 };
 struct kvs_shard_fetch_params kvs_shard_fetch_default_params(void);
 
@@ -167,6 +199,8 @@ struct kvs_shard_fetch_stats {
     uint32_t n_tensors;      /* tensors in the shard */
     uint32_t n_resumed;      /* tensors skipped as already done */
     bool verified;           /* every tensor matched the index */
+    bool trusted;            /* ... and the index matched params.content_id */
+    char content_id[65];     /* the index's content id (hex), "" without an index */
 };
 
 /* Downloads the shard of [begin, end) of the model at url: reads the header
@@ -181,7 +215,12 @@ struct kvs_shard_fetch_stats {
  * stats may be NULL.
  * Errors: KVS_ERR_NET (connection/HTTP status; server ignores Range),
  * KVS_ERR_NOT_FOUND (the index URL answers 404, unless index_optional),
- * KVS_ERR_MISMATCH (ETag/size changed mid-fetch, index of another model),
+ * KVS_ERR_MISMATCH (ETag/size changed mid-fetch, index of another model or of
+ * other weights than params.content_id), KVS_ERR_NOT_FOUND also when a
+ * content id is given but there is no index, KVS_ERR_RANGE (a header over
+ * KVS_SHARD_MAX_HEADER, an index over KVS_SHARD_INDEX_MAX_BYTES of the
+ * source's tensor count), KVS_ERR_NET also for a transfer below the low-speed
+ * limit or past a deadline,
  * KVS_ERR_HASH (tensor hash differs from the index), KVS_ERR_TRUNCATED (short
  * response), KVS_ERR_FORMAT (corrupt header), KVS_ERR_IO, KVS_ERR_NOMEM. */
 kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard_fetch_stats *stats,

@@ -35,7 +35,12 @@ kvs_err kvs_shard_extract(const struct kvs_gguf *src, uint32_t begin, uint32_t e
         if (err)
             goto fail;
     }
-    err = kvs_shard__writer(src, begin, end, idx, n, (const uint8_t(*)[32])sha, true, &w, errbuf, errlen);
+    /* The source's content id: a full model's costs one read of its data section. */
+    uint8_t cid[32];
+    char cmsg[256];
+    bool has_cid = kvs_shard_content_id(src, cid, cmsg, sizeof cmsg) == KVS_OK;
+    err = kvs_shard__writer(src, begin, end, idx, n, (const uint8_t(*)[32])sha, has_cid ? cid : NULL, true, &w,
+                            errbuf, errlen);
     if (err)
         goto fail;
     err = kvs_gguf_writer_write_file(w, out_path);
@@ -110,6 +115,15 @@ kvs_err kvs_shard_index_save(const struct kvs_shard_index *ix, const char *path,
     json_object_set_new(root, "file_size", json_integer((json_int_t)ix->file_size));
     json_object_set_new(root, "data_offset", json_integer((json_int_t)ix->data_offset));
     json_object_set_new(root, "alignment", json_integer((json_int_t)ix->alignment));
+    uint8_t cid[32];
+    char cidhex[65];
+    if (kvs_shard_index_content_id(ix, cid) != KVS_OK) {
+        json_decref(root);
+        json_decref(arr);
+        return kvs_shard__err(KVS_ERR_FORMAT, errbuf, errlen, "the index has no single content id (duplicate names?)");
+    }
+    kvs_shard_hex(cid, cidhex);
+    json_object_set_new(root, "content_id", json_string(cidhex));
     for (size_t i = 0; i < ix->n_tensors; i++) {
         const struct kvs_shard_index_entry *e = &ix->tensors[i];
         json_t *shape = json_array();
@@ -219,6 +233,15 @@ kvs_err kvs_shard_index_parse(const char *text, size_t len, struct kvs_shard_ind
         }
         what = "tensors[].sha256";
         if (!json_is_string(sha) || !kvs_shard_unhex(json_string_value(sha), json_string_length(sha), e->sha256))
+            goto fail;
+    }
+    /* content_id (optional, derived): when present it must be that of the entries */
+    json_t *cj = json_object_get(root, "content_id");
+    what = "content_id";
+    if (cj) {
+        uint8_t want[32], got[32];
+        if (!json_is_string(cj) || !kvs_shard_unhex(json_string_value(cj), json_string_length(cj), want) ||
+            kvs_shard_index_content_id(ix, got) != KVS_OK || memcmp(want, got, 32) != 0)
             goto fail;
     }
     json_decref(root);

@@ -19,7 +19,9 @@
 #include "common/log.h"
 #include "shard/shard_impl.h"
 
-#define FETCH_MAX_INDEX (512u * 1024 * 1024) /* largest index document downloaded */
+#define FETCH_LOW_SPEED_LIMIT 1024u  /* default: a transfer slower than this (bytes/s) ... */
+#define FETCH_LOW_SPEED_TIME 15u     /* ... for this many seconds fails */
+#define FETCH_SMALL_DEADLINE 120L    /* seconds: whole-transfer deadline of each header and index request */
 /* Runs are cut at tensor boundaries past this span, so that a long download
  * re-checks the source's ETag now and then. */
 #define FETCH_MAX_REQUEST (256ull * 1024 * 1024)
@@ -42,6 +44,7 @@ struct fetch {
     struct kvs_shard_fetch_stats *st;
     CURL *curl;
     struct curl_slist *hdrs; /* p->headers, or NULL */
+    const uint8_t *cid;      /* the source's content id (from a verified index) or NULL */
     char *errbuf;
     size_t errlen;
     kvs_err err;          /* set by a callback that aborted the transfer */
@@ -58,9 +61,9 @@ struct fetch {
     bool r_has_cr;
     uint64_t r_first, r_last, r_total;
 
-    /* header sink */
+    /* header / index sink: grows with what arrives, never past hmax */
     uint8_t *hbuf;
-    size_t hlen, hcap;
+    size_t hlen, hcap, hmax;
 
     /* data sink */
     int fd;
@@ -300,16 +303,36 @@ static void throttle(struct fetch *f, size_t n)
     }
 }
 
+/* Room for n more bytes in f->hbuf (n <= hmax - hlen): doubles, capped at hmax. */
+static bool grow(struct fetch *f, size_t n)
+{
+    if (f->hlen + n <= f->hcap)
+        return true;
+    size_t cap = f->hcap ? f->hcap : 65536;
+    while (cap < f->hlen + n)
+        cap = cap > f->hmax / 2 ? f->hmax : cap * 2;
+    uint8_t *nb = realloc(f->hbuf, cap);
+    if (!nb) {
+        ferr(f, KVS_ERR_NOMEM, "out of memory");
+        return false;
+    }
+    f->hbuf = nb;
+    f->hcap = cap;
+    return true;
+}
+
 static size_t sink_header(char *data, size_t size, size_t nmemb, void *ud)
 {
     struct fetch *f = ud;
     size_t n = size * nmemb;
     if (!check_response(f))
         return 0;
-    if (n > f->hcap - f->hlen) {
+    if (n > f->hmax - f->hlen) {
         ferr(f, KVS_ERR_NET, "%s: response longer than the requested range", f->p->url);
         return 0;
     }
+    if (!grow(f, n))
+        return 0;
     memcpy(f->hbuf + f->hlen, data, n);
     f->hlen += n;
     f->received += n;
@@ -434,6 +457,9 @@ static kvs_err get_range(struct fetch *f, uint64_t first, uint64_t last, curl_wr
     if (rc == CURLE_PARTIAL_FILE)
         return ferr(f, KVS_ERR_TRUNCATED, "%s: the response for bytes %s ended early (%" PRIu64 " bytes)",
                     f->p->url, range, f->received);
+    if (rc == CURLE_OPERATION_TIMEDOUT)
+        return ferr(f, KVS_ERR_NET, "%s: bytes %s: the transfer is too slow or stalled (%s): given up; run again "
+                    "to resume", f->p->url, range, curl_easy_strerror(rc));
     if (rc != CURLE_OK)
         return ferr(f, KVS_ERR_NET, "%s: %s", f->p->url, curl_easy_strerror(rc));
     if (!check_response(f))
@@ -450,10 +476,9 @@ static kvs_err get_range(struct fetch *f, uint64_t first, uint64_t last, curl_wr
 static kvs_err fetch_header(struct fetch *f, struct kvs_gguf **g)
 {
     uint64_t want = f->p->initial_header ? f->p->initial_header : (1u << 20);
-    f->hcap = (size_t)want;
-    f->hbuf = malloc(f->hcap);
-    if (!f->hbuf)
-        return KVS_ERR_NOMEM;
+    if (want > KVS_SHARD_MAX_HEADER)
+        want = KVS_SHARD_MAX_HEADER;
+    f->hmax = (size_t)want;
     kvs_err err = get_range(f, 0, want - 1, sink_header);
     if (err)
         return err;
@@ -477,13 +502,11 @@ static kvs_err fetch_header(struct fetch *f, struct kvs_gguf **g)
         if (next > f->size)
             next = f->size;
         if (next > KVS_SHARD_MAX_HEADER)
-            return ferr(f, KVS_ERR_RANGE, "%s: GGUF header larger than %llu bytes", f->p->url,
+            return ferr(f, KVS_ERR_RANGE,
+                        "%s: the GGUF header claims %llu bytes or more, over the %llu a real model's header "
+                        "needs: refused before downloading it", f->p->url, (unsigned long long)next,
                         (unsigned long long)KVS_SHARD_MAX_HEADER);
-        uint8_t *nb = realloc(f->hbuf, (size_t)next);
-        if (!nb)
-            return KVS_ERR_NOMEM;
-        f->hbuf = nb;
-        f->hcap = (size_t)next;
+        f->hmax = (size_t)next; /* the buffer grows as the bytes arrive (sink_header) */
         err = get_range(f, f->hlen, next - 1, sink_header);
         if (err)
             return err;
@@ -494,34 +517,44 @@ static size_t sink_mem(char *data, size_t size, size_t nmemb, void *ud)
 {
     struct fetch *f = ud;
     size_t n = size * nmemb;
-    if (n > FETCH_MAX_INDEX - f->hlen) {
-        ferr(f, KVS_ERR_RANGE, "index document larger than %u bytes", FETCH_MAX_INDEX);
+    if (n > f->hmax - f->hlen) {
+        ferr(f, KVS_ERR_RANGE,
+             "the index is larger than %zu bytes, more than an index of this model's %zu tensors can be: refused",
+             f->hmax, f->nt);
         return 0;
     }
-    if (f->hlen + n > f->hcap) {
-        size_t cap = f->hcap ? f->hcap : 65536;
-        while (cap < f->hlen + n)
-            cap *= 2;
-        uint8_t *nb = realloc(f->hbuf, cap);
-        if (!nb) {
-            ferr(f, KVS_ERR_NOMEM, "out of memory");
-            return 0;
-        }
-        f->hbuf = nb;
-        f->hcap = cap;
-    }
+    if (!grow(f, n))
+        return 0;
     memcpy(f->hbuf + f->hlen, data, n);
     f->hlen += n;
     return n;
 }
 
-static kvs_err load_index(struct fetch *f, struct kvs_shard_index *ix)
+/* Low-speed limit of every transfer (params, defaults FETCH_LOW_SPEED_*): a
+ * server trickling bytes cannot hold a fetch for longer than the window. */
+static void set_low_speed(CURL *c, const struct kvs_shard_fetch_params *p)
+{
+    uint64_t lim = p->low_speed_limit ? p->low_speed_limit : FETCH_LOW_SPEED_LIMIT;
+    long secs = p->low_speed_time ? (long)p->low_speed_time : (long)FETCH_LOW_SPEED_TIME;
+    if (p->limit_rate && lim > p->limit_rate / 2) /* --limit-rate below the limit must not trip it */
+        lim = p->limit_rate / 2 ? p->limit_rate / 2 : 1;
+    curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, (long)lim);
+    curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, secs);
+}
+
+/* Reads the index named by p->index. Over HTTP the document is capped by
+ * what an index of n_src_tensors tensors can be (KVS_SHARD_INDEX_MAX_BYTES),
+ * the buffer grows with what arrives, and the transfer has a low-speed limit
+ * and a FETCH_SMALL_DEADLINE deadline. */
+static kvs_err load_index(struct fetch *f, struct kvs_shard_index *ix, size_t n_src_tensors)
 {
     const char *src = f->p->index;
     if (strncmp(src, "http://", 7) != 0 && strncmp(src, "https://", 8) != 0)
         return kvs_shard_index_load(src, ix, f->errbuf, f->errlen);
     /* A separate small transfer into a temporary buffer. */
-    struct fetch g = { .p = f->p, .errbuf = f->errbuf, .errlen = f->errlen, .st = f->st };
+    struct fetch g = { .p = f->p, .errbuf = f->errbuf, .errlen = f->errlen, .st = f->st, .nt = n_src_tensors };
+    uint64_t cap = KVS_SHARD_INDEX_MAX_BYTES(n_src_tensors);
+    g.hmax = cap > SIZE_MAX / 2 ? SIZE_MAX / 2 : (size_t)cap;
     g.curl = curl_easy_init();
     if (!g.curl)
         return KVS_ERR_NOMEM;
@@ -533,11 +566,21 @@ static kvs_err load_index(struct fetch *f, struct kvs_shard_index *ix)
     curl_easy_setopt(g.curl, CURLOPT_CONNECTTIMEOUT, 10L);
     curl_easy_setopt(g.curl, CURLOPT_WRITEFUNCTION, sink_mem);
     curl_easy_setopt(g.curl, CURLOPT_WRITEDATA, &g);
+    curl_easy_setopt(g.curl, CURLOPT_MAXFILESIZE_LARGE, (curl_off_t)g.hmax); /* a Content-Length over it: refused */
+    curl_easy_setopt(g.curl, CURLOPT_TIMEOUT, FETCH_SMALL_DEADLINE);
+    set_low_speed(g.curl, f->p);
     CURLcode rc = curl_easy_perform(g.curl);
     long code = 0;
     curl_easy_getinfo(g.curl, CURLINFO_RESPONSE_CODE, &code);
     curl_easy_cleanup(g.curl);
     kvs_err err = g.err;
+    if (!err && rc == CURLE_FILESIZE_EXCEEDED)
+        err = kvs_shard__err(KVS_ERR_RANGE, f->errbuf, f->errlen,
+                             "%s: the index is larger than %zu bytes, more than an index of this model's %zu "
+                             "tensors can be: refused", src, g.hmax, n_src_tensors);
+    if (!err && rc == CURLE_OPERATION_TIMEDOUT)
+        err = kvs_shard__err(KVS_ERR_NET, f->errbuf, f->errlen,
+                             "%s: the index transfer is too slow (%s): given up", src, curl_easy_strerror(rc));
     if (!err && rc != CURLE_OK)
         err = kvs_shard__err(KVS_ERR_NET, f->errbuf, f->errlen, "%s: %s", src, curl_easy_strerror(rc));
     if (!err && code != 200)
@@ -623,7 +666,7 @@ static bool output_complete(struct fetch *f, const struct kvs_gguf *remote, cons
             (f->t[i].ix && memcmp(f->t[i].ix->sha256, sha[i], 32)))
             goto done;
     }
-    if (kvs_shard__writer(remote, f->p->begin, f->p->end, idx, f->nt, (const uint8_t(*)[32])sha, false, &w, msg,
+    if (kvs_shard__writer(remote, f->p->begin, f->p->end, idx, f->nt, (const uint8_t(*)[32])sha, f->cid, false, &w, msg,
                           sizeof msg) != KVS_OK ||
         kvs_gguf_writer_header(w, &want, &want_len) != KVS_OK || want_len > total)
         goto done;
@@ -696,14 +739,15 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
     curl_easy_setopt(f.curl, CURLOPT_FOLLOWLOCATION, 1L);
     curl_easy_setopt(f.curl, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(f.curl, CURLOPT_CONNECTTIMEOUT, 10L);
-    curl_easy_setopt(f.curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
-    curl_easy_setopt(f.curl, CURLOPT_LOW_SPEED_TIME, 60L);
+    set_low_speed(f.curl, p);
     curl_easy_setopt(f.curl, CURLOPT_BUFFERSIZE, p->limit_rate ? 64L * 1024 : 512L * 1024);
     curl_easy_setopt(f.curl, CURLOPT_HEADERFUNCTION, on_header);
     curl_easy_setopt(f.curl, CURLOPT_HEADERDATA, &f);
     f.t0_ns = f.last_print_ns = now_ns();
 
+    curl_easy_setopt(f.curl, CURLOPT_TIMEOUT, FETCH_SMALL_DEADLINE); /* header reads: a deadline */
     err = fetch_header(&f, &g);
+    curl_easy_setopt(f.curl, CURLOPT_TIMEOUT, 0L); /* data: the low-speed limit only (windows can be large) */
     if (err)
         goto fail;
     if (all_blocks) {
@@ -716,8 +760,6 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
     err = kvs_shard_check(g, p->begin, p->end, errbuf, errlen);
     if (!err)
         err = kvs_shard_window_tensors(g, p->begin, p->end, &idx, &nidx, errbuf, errlen);
-    if (!err)
-        err = kvs_shard__writer(g, p->begin, p->end, idx, nidx, NULL, false, &w, errbuf, errlen);
     if (err)
         goto fail;
     f.nt = nidx;
@@ -731,14 +773,13 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
         const struct kvs_gguf_tensor *t = kvs_gguf_tensor(g, idx[i]);
         f.t[i].name = t->name;
         f.t[i].src = kvs_gguf_data_offset(g) + t->offset;
-        f.t[i].dst = kvs_gguf_writer_tensor_offset(w, i);
         f.t[i].bytes = t->bytes;
         st->window_bytes += t->bytes;
     }
     st->n_tensors = (uint32_t)nidx;
     bool use_index = p->index != NULL;
     if (use_index) {
-        err = load_index(&f, &ix);
+        err = load_index(&f, &ix, kvs_gguf_n_tensors(g));
         if (err == KVS_ERR_NOT_FOUND && p->index_optional) {
             KVS_LOGI("fetch: no index at %s: the shard is fetched without SHA-256 checks", p->index);
             use_index = false;
@@ -750,6 +791,40 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
         if (err)
             goto fail;
     }
+    /* The content id: the trust root is the caller's (a manifest, a market listing), not this server. */
+    uint8_t cid[32], want_cid[32];
+    if (p->content_id && !kvs_shard_unhex(p->content_id, strlen(p->content_id), want_cid)) {
+        err = ferr(&f, KVS_ERR_ARG, "content id '%.80s' is not 64 hex digits", p->content_id);
+        goto fail;
+    }
+    if (use_index) {
+        if (kvs_shard_index_content_id(&ix, cid) != KVS_OK) {
+            err = ferr(&f, KVS_ERR_FORMAT, "the index %s lists a tensor twice: it has no content id", p->index);
+            goto fail;
+        }
+        kvs_shard_hex(cid, st->content_id);
+        if (p->content_id && memcmp(cid, want_cid, 32) != 0) {
+            char want_hex[65];
+            kvs_shard_hex(want_cid, want_hex);
+            err = ferr(&f, KVS_ERR_MISMATCH,
+                       "the index %s describes other weights (content id %.16s...) than the trusted content id "
+                       "%.16s... (a hostile or stale server): nothing downloaded", p->index, st->content_id,
+                       want_hex);
+            goto fail;
+        }
+        st->trusted = p->content_id != NULL;
+        f.cid = cid;
+    } else if (p->content_id) {
+        err = ferr(&f, KVS_ERR_NOT_FOUND,
+                   "a content id is expected (%.16s...) but %s has no shard index: the bytes cannot be checked "
+                   "against it", p->content_id, p->url);
+        goto fail;
+    }
+    err = kvs_shard__writer(g, p->begin, p->end, idx, nidx, NULL, f.cid, false, &w, errbuf, errlen);
+    if (err)
+        goto fail;
+    for (size_t i = 0; i < nidx; i++)
+        f.t[i].dst = kvs_gguf_writer_tensor_offset(w, i);
 
     /* Work files: resume if the state matches, else start afresh. */
     uint64_t total = kvs_gguf_writer_total_bytes(w);
@@ -859,7 +934,8 @@ kvs_err kvs_shard_fetch(const struct kvs_shard_fetch_params *p, struct kvs_shard
         memcpy(sha[i], f.t[i].sha, 32);
     kvs_gguf_writer_free(w);
     w = NULL;
-    err = kvs_shard__writer(g, p->begin, p->end, idx, nidx, (const uint8_t(*)[32])sha, false, &w, errbuf, errlen);
+    err = kvs_shard__writer(g, p->begin, p->end, idx, nidx, (const uint8_t(*)[32])sha, f.cid, false, &w, errbuf,
+                            errlen);
     if (err)
         goto fail;
     err = kvs_gguf_writer_header(w, &hdr, &hdr_len);

@@ -276,7 +276,8 @@ kvs_err kvs_shard_check(const struct kvs_gguf *g, uint32_t begin, uint32_t end, 
 }
 
 kvs_err kvs_shard__writer(const struct kvs_gguf *src, uint32_t begin, uint32_t end, const size_t *idx, size_t n,
-                          const uint8_t (*sha)[32], bool with_data, struct kvs_gguf_writer **out,
+                          const uint8_t (*sha)[32], const uint8_t *content_id, bool with_data,
+                          struct kvs_gguf_writer **out,
                           char *errbuf, size_t errlen)
 {
     *out = NULL;
@@ -305,7 +306,8 @@ kvs_err kvs_shard__writer(const struct kvs_gguf *src, uint32_t begin, uint32_t e
         return KVS_ERR_NOMEM;
     size_t nkv = kvs_gguf_n_kv(src);
     for (size_t i = 0; i < nkv && !err; i++)
-        err = kvs_gguf_writer_copy_kv(w, src, i);
+        if (strcmp(kvs_gguf_key(src, i), KVS_SHARD_KEY_SOURCE_CONTENT_ID) != 0)
+            err = kvs_gguf_writer_copy_kv(w, src, i);
     if (!err)
         err = kvs_gguf_writer_set_u32(w, KVS_SHARD_KEY_WINDOW_BEGIN, begin);
     if (!err)
@@ -316,6 +318,11 @@ kvs_err kvs_shard__writer(const struct kvs_gguf *src, uint32_t begin, uint32_t e
         err = kvs_gguf_writer_set_str(w, KVS_SHARD_KEY_SOURCE_FINGERPRINT, fphex);
     if (!err)
         err = kvs_gguf_writer_set_str(w, KVS_SHARD_KEY_TENSORS_SHA256, shahex);
+    if (!err && content_id) {
+        char cid[65];
+        kvs_shard_hex(content_id, cid);
+        err = kvs_gguf_writer_set_str(w, KVS_SHARD_KEY_SOURCE_CONTENT_ID, cid);
+    }
     if (err) {
         kvs_gguf_writer_free(w);
         return kvs_shard__err(err, errbuf, errlen, "cannot build the shard's metadata: %s", kvs_strerror(err));

@@ -12,6 +12,7 @@
 
 #include <cmocka.h>
 #include <curl/curl.h>
+#include <openssl/evp.h>
 
 #include "gguf/gguf.h"
 #include "shard/shard.h"
@@ -378,6 +379,109 @@ static void test_index_roundtrip(void **state)
                           "\"type_id\":0,\"shape\":[4],\"offset\":8,\"size\":16,\"sha256\":\"00\"}]}" };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
         assert_int_equal(kvs_shard_index_parse(bad[i], strlen(bad[i]), &iy, msg, sizeof msg), KVS_ERR_FORMAT);
+    kvs_gguf_close(g);
+}
+
+/* The content id (docs/FORMATS.md "Content id") recomputed here from its
+ * recipe, by hand: tag, fingerprint, u64le count, SHA-256 of each tensor's
+ * bytes in name order. */
+static int cmp_names(const void *a, const void *b)
+{
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+static void test_content_id(void **state)
+{
+    (void)state;
+    struct kvs_gguf *g = open_model("llama-q4_k_m.gguf");
+    size_t n = kvs_gguf_n_tensors(g);
+    const char **names = calloc(n, sizeof *names);
+    for (size_t i = 0; i < n; i++)
+        names[i] = kvs_gguf_tensor(g, i)->name;
+    qsort(names, n, sizeof *names, cmp_names);
+    uint8_t fp[32], want[32], got[32];
+    assert_int_equal(kvs_gguf_fingerprint(g, fp), KVS_OK);
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    EVP_DigestInit_ex(ctx, EVP_sha256(), NULL);
+    EVP_DigestUpdate(ctx, "kvasir-content-v1", 17);
+    EVP_DigestUpdate(ctx, fp, 32);
+    uint8_t nb[8] = { (uint8_t)n, (uint8_t)(n >> 8) }; /* 30 tensors: little-endian u64 */
+    EVP_DigestUpdate(ctx, nb, 8);
+    for (size_t i = 0; i < n; i++) {
+        const struct kvs_gguf_tensor *t = kvs_gguf_find_tensor(g, names[i]);
+        uint8_t d[32];
+        unsigned int len = 0;
+        EVP_Digest(t->data, t->bytes, d, &len, EVP_sha256(), NULL);
+        EVP_DigestUpdate(ctx, d, 32);
+    }
+    unsigned int len = 0;
+    EVP_DigestFinal_ex(ctx, want, &len);
+    EVP_MD_CTX_free(ctx);
+    free(names);
+    char msg[256] = "";
+    assert_int_equal(kvs_shard_content_id(g, got, msg, sizeof msg), KVS_OK);
+    assert_memory_equal(got, want, 32);
+    /* the index gives the same id without reading the file, in any entry order */
+    struct kvs_shard_index ix;
+    assert_int_equal(kvs_shard_index_build(g, &ix, msg, sizeof msg), KVS_OK);
+    assert_int_equal(kvs_shard_index_content_id(&ix, got), KVS_OK);
+    assert_memory_equal(got, want, 32);
+    struct kvs_shard_index_entry tmp = ix.tensors[0];
+    ix.tensors[0] = ix.tensors[n - 1];
+    ix.tensors[n - 1] = tmp;
+    assert_int_equal(kvs_shard_index_content_id(&ix, got), KVS_OK);
+    assert_memory_equal(got, want, 32);
+    /* one weight's digest changed (the fingerprint would not see it): another id */
+    ix.tensors[3].sha256[7] ^= 1;
+    assert_int_equal(kvs_shard_index_content_id(&ix, got), KVS_OK);
+    assert_memory_not_equal(got, want, 32);
+    ix.tensors[3].sha256[7] ^= 1;
+    /* two entries of one name: no single content */
+    snprintf(ix.tensors[1].name, sizeof ix.tensors[1].name, "%s", ix.tensors[2].name);
+    assert_int_equal(kvs_shard_index_content_id(&ix, got), KVS_ERR_FORMAT);
+    kvs_shard_index_free(&ix);
+
+    /* a saved index carries it; a wrong, short or non-string content_id is refused */
+    assert_int_equal(kvs_shard_index_build(g, &ix, msg, sizeof msg), KVS_OK);
+    char path[512];
+    tmp_path(path, sizeof path, "cid.json");
+    assert_int_equal(kvs_shard_index_save(&ix, path, msg, sizeof msg), KVS_OK);
+    kvs_shard_index_free(&ix);
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    static char text[1 << 16];
+    size_t tl = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[tl] = 0;
+    char hex[65];
+    kvs_shard_hex(want, hex);
+    char *at = strstr(text, hex);
+    assert_non_null(at); /* "content_id": "<want>" */
+    assert_int_equal(kvs_shard_index_parse(text, tl, &ix, msg, sizeof msg), KVS_OK);
+    kvs_shard_index_free(&ix);
+    const char *subst[] = { "0000000000000000000000000000000000000000000000000000000000000000",
+                            "zz7c6b273193a9fceb570071aaf7a161cf0d258f62cb9b13cf151dcd8c5c112f" };
+    for (size_t i = 0; i < 2; i++) {
+        char saved[64];
+        memcpy(saved, at, 64);
+        memcpy(at, subst[i], 64);
+        assert_int_equal(kvs_shard_index_parse(text, tl, &ix, msg, sizeof msg), KVS_ERR_FORMAT);
+        assert_non_null(strstr(msg, "content_id"));
+        memcpy(at, saved, 64);
+    }
+    at[-1] = ' '; /* "content_id": <64 hex digits>" : not a string */
+    assert_int_equal(kvs_shard_index_parse(text, tl, &ix, msg, sizeof msg), KVS_ERR_FORMAT);
+    remove(path);
+
+    /* extract records the source's id in the shard; the shard reports it */
+    tmp_path(path, sizeof path, "cid.gguf");
+    assert_int_equal(kvs_shard_extract(g, 1, 2, path, msg, sizeof msg), KVS_OK);
+    struct kvs_gguf *sh = NULL;
+    assert_int_equal(kvs_gguf_open(path, &sh, msg, sizeof msg), KVS_OK);
+    assert_int_equal(kvs_shard_content_id(sh, got, msg, sizeof msg), KVS_OK);
+    assert_memory_equal(got, want, 32);
+    kvs_gguf_close(sh);
+    remove(path);
     kvs_gguf_close(g);
 }
 
@@ -757,6 +861,7 @@ int main(void)
         cmocka_unit_test(test_check),
         cmocka_unit_test(test_shard_describe),
         cmocka_unit_test(test_index_roundtrip),
+        cmocka_unit_test(test_content_id),
         cmocka_unit_test(test_seed_ranges),
         cmocka_unit_test(test_seed_names),
         cmocka_unit_test(test_fetch_loopback),
