@@ -387,9 +387,10 @@ int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o
     char line[512];
     snprintf(line, sizeof line,
              "ring: %llu requests done, %llu failed, %llu tokens; the head's own blocks: %llu forward calls in "
-             "%.1f ms\n",
+             "%.1f ms; %llu replays after faults\n",
              (unsigned long long)m.requests_done, (unsigned long long)m.requests_failed,
-             (unsigned long long)m.tokens_generated, (unsigned long long)m.forward_calls, m.forward_ms);
+             (unsigned long long)m.tokens_generated, (unsigned long long)m.forward_calls, m.forward_ms,
+             (unsigned long long)m.requests_replayed);
     fputs(line, stderr);
     pthread_mutex_destroy(&c.mu);
     pthread_cond_destroy(&c.cv);
@@ -411,7 +412,11 @@ static void ring_usage(FILE *f)
                "                       greedy output can differ from a single process where the top\n"
                "                       logits are close (typical of random-weight test models); f32 is\n"
                "                       bit-identical to a single process (docs/PROTOCOL.md section 5)\n"
-               "  --insecure           plaintext links (default: throw-away node keys, TLS on every link)\n");
+               "  --insecure           plaintext links (default: throw-away node keys, TLS on every link)\n"
+               "  --replay-deadline S  a stage that dies is restarted; meanwhile requests in flight are held\n"
+               "                       and replayed once the ring is whole again; they fail after S seconds\n"
+               "                       (default 30; 0: fail at once; docs/PROTOCOL.md 5.1)\n");
+    /* --step-delay MS (sleep before every forward on every stage) is a test hook: not listed */
 }
 
 bool kvs_ring_client_opt(const char *a, const char *v, struct kvs_ring_client_opts *co, int *bad)
@@ -447,7 +452,8 @@ int kvs_cli_run_ring(int argc, char **argv)
     co.sp = kvs_sampler_default_params();
     co.sp.seed = kvs_cli_random_seed(); /* --seed S or -1 overrides */
     const char *model = NULL;
-    long ring = 0, threads = 0, n_ctx = 0, seqs = 0; /* threads 0: the cores shared by the stages */
+    long ring = 0, threads = 0, n_ctx = 0, seqs = 0, delay = 0; /* threads 0: the cores shared by the stages */
+    float replay_s = KVS_STAGE_REPLAY_DEADLINE_MS / 1000.0f;
     bool f32 = false, insecure = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -475,6 +481,9 @@ int kvs_cli_run_ring(int argc, char **argv)
         else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) bad = kvs_cli_parse_long(v, 1, 1 << 24, &n_ctx);
         else if (!strcmp(a, "--ring")) bad = kvs_cli_parse_long(v, 2, 1024, &ring);
         else if (!strcmp(a, "--seqs")) bad = kvs_cli_parse_long(v, 1, 1024, &seqs);
+        else if (!strcmp(a, "--step-delay")) bad = kvs_cli_parse_long(v, 0, 10000, &delay);
+        else if (!strcmp(a, "--replay-deadline"))
+            bad = kvs_cli_parse_float(v, &replay_s) || !(replay_s >= 0.0f && replay_s <= 86400.0f);
         else if (!strcmp(a, "--boundary")) {
             bad = strcmp(v, "f16") && strcmp(v, "f32");
             f32 = !strcmp(v, "f32");
@@ -509,12 +518,13 @@ int kvs_cli_run_ring(int argc, char **argv)
     struct kvs_stage_params sp = kvs_stage_default_params();
     struct kvs_local_ring_opts lo = { .who = "run", .model = model, .n = (int)ring, .threads = threads,
                                       .n_ctx = n_ctx, .seqs = seqs, .boundary_f32 = f32, .insecure = insecure,
-                                      .child_mask = &old };
+                                      .child_mask = &old, .step_delay_ms = delay };
     struct kvs_stage *head = NULL;
     int rc = kvs_local_ring_start(&lo, &lr, &sp);
     if (rc) goto done;
     rc = 1;
     sp.stop_fd = sfd;
+    sp.replay_deadline_ms = replay_s > 0.0f ? (int32_t)(replay_s * 1000.0f + 0.5f) : -1;
     char err[512];
     kvs_err e = kvs_stage_create(&sp, &head, err, sizeof err);
     if (e) {

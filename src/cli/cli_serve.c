@@ -39,6 +39,9 @@ static void serve_usage(FILE *f)
                "  --ctx N              context length (default min(model's, 4096))\n"
                "  --seqs S             sequence slots per stage (default 4)\n"
                "  --boundary f16|f32   boundary precision on the links (default f16)\n"
+               "  --replay-deadline S  when the ring breaks (a stage that died is restarted), hold\n"
+               "                       requests in flight (streams pause) and replay them once it is whole again; fail them after S seconds (default 30;\n"
+               "                       0: fail at once; docs/PROTOCOL.md 5.1)\n"
                "  --max-body BYTES     request body cap (default 1048576)\n"
                "  --max-connections N  concurrent HTTP connections (default 64; more get 503)\n"
                "  --max-per-addr N     concurrent HTTP connections per client address (default 16; more get 503)\n"
@@ -68,6 +71,7 @@ int kvs_cli_serve(int argc, char **argv)
     bool f32 = false, insecure = false, auth_all = false, chat_special = false;
     const char *api_key = NULL, *api_key_file = NULL;
     long per_addr = 16, req_timeout = 30;
+    float replay_s = KVS_STAGE_REPLAY_DEADLINE_MS / 1000.0f;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -100,6 +104,8 @@ int kvs_cli_serve(int argc, char **argv)
         else if (!strcmp(a, "--max-per-addr")) bad = kvs_cli_parse_long(v, 1, 65536, &per_addr);
         else if (!strcmp(a, "--request-timeout")) bad = kvs_cli_parse_long(v, 1, 3600, &req_timeout);
         else if (!strcmp(a, "--step-delay")) bad = kvs_cli_parse_long(v, 0, 10000, &delay);
+        else if (!strcmp(a, "--replay-deadline"))
+            bad = kvs_cli_parse_float(v, &replay_s) || !(replay_s >= 0.0f && replay_s <= 86400.0f);
         else if (!strcmp(a, "--api-key")) api_key = v;
         else if (!strcmp(a, "--api-key-file")) api_key_file = v;
         else if (!strcmp(a, "--boundary")) {
@@ -154,6 +160,7 @@ int kvs_cli_serve(int argc, char **argv)
         goto done;
     }
     rc = 1;
+    sp.replay_deadline_ms = replay_s > 0.0f ? (int32_t)(replay_s * 1000.0f + 0.5f) : -1;
     if ((e = kvs_stage_create(&sp, &head, err, sizeof err))) {
         fprintf(stderr, "kvasir serve: head stage: %s (%s)\n", kvs_strerror(e), err);
         goto done;

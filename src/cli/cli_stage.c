@@ -40,6 +40,9 @@ static void stage_usage(FILE *f)
                "  --boundary f16|f32   boundary precision sent on (default f16; f16 rounding can change greedy\n"
                "                       output vs a single process, f32 is bit-identical: docs/PROTOCOL.md 5)\n"
                "  --timeout MS         neighbour silence / ring probe timeout (default 4000)\n"
+               "  --replay-deadline S  when the ring breaks, hold requests in flight (streams pause) and replay\n"
+               "                       them once it is whole again; fail them after S seconds (default 30;\n"
+               "                       0: fail at once; docs/PROTOCOL.md 5.1)\n"
                "  --spin N             pool spin before idle compute threads sleep (0: default, %d, short, for\n"
                "                       stages sharing cores; -1: the long single-process spin; KVASIR_SPIN wins)\n"
                /* --step-delay MS (sleep before every forward) is a test hook: not listed */
@@ -181,6 +184,10 @@ int kvs_cli_stage(int argc, char **argv)
         } else if (!strcmp(a, "--timeout")) {
             bad = kvs_cli_parse_long(v, 100, 3600000, &lv);
             p.timeout_ms = (int32_t)lv;
+        } else if (!strcmp(a, "--replay-deadline")) {
+            float sec = 0.0f;
+            bad = kvs_cli_parse_float(v, &sec) || !(sec >= 0.0f && sec <= 86400.0f);
+            p.replay_deadline_ms = sec > 0.0f ? (int32_t)(sec * 1000.0f + 0.5f) : -1;
         } else if (!strcmp(a, "--spin")) {
             bad = kvs_cli_parse_long(v, -1, 10000000, &lv);
             p.pool_spin = (int32_t)lv;

@@ -337,7 +337,7 @@ kvs_err kvs_proto_check_header(const struct kvs_frame_header *h, uint32_t max_pa
 {
     static const uint8_t allowed_flags[KVS_FRAME_KIND_COUNT_] = {
         [KVS_FRAME_HELLO] = 0,
-        [KVS_FRAME_REQUEST_START] = KVS_FRAME_FLAG_IGNORE_EOS,
+        [KVS_FRAME_REQUEST_START] = KVS_FRAME_FLAG_IGNORE_EOS | KVS_FRAME_FLAG_REPLAY,
         [KVS_FRAME_PREFILL] = KVS_FRAME_FLAG_F32 | KVS_FRAME_FLAG_LAST,
         [KVS_FRAME_DECODE] = KVS_FRAME_FLAG_F32,
         [KVS_FRAME_TOKEN] = KVS_FRAME_FLAG_FINISHED,

@@ -50,6 +50,8 @@ enum kvs_frame_flag {
     KVS_FRAME_FLAG_IGNORE_EOS = 1u << 3, /* REQUEST_START: do not stop on stop ids */
     KVS_FRAME_FLAG_FINISHED = 1u << 4,   /* TOKEN: the request is complete */
     KVS_FRAME_FLAG_TRAIL = 1u << 5,      /* KEEPALIVE with PROBE: carries a trail of stage records (rev 1.1) */
+    KVS_FRAME_FLAG_REPLAY = 1u << 6,     /* REQUEST_START: a replay after a fault (rev 3.1): a stage that still
+                                          * holds the request id frees that slot and starts it afresh */
 };
 
 /* Roles in a HELLO (§3.1). */

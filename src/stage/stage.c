@@ -198,6 +198,12 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
     s->b_req = malloc((size_t)s->n_batch * sizeof(uint32_t));
     s->b_logits = malloc((size_t)s->n_batch);
     s->seqs = calloc((size_t)s->n_seq, sizeof *s->seqs);
+    s->replay_deadline_ms = p->replay_deadline_ms == 0 ? KVS_STAGE_REPLAY_DEADLINE_MS : p->replay_deadline_ms;
+    if (s->is_head && !s->solo && !(s->hist = calloc((size_t)s->n_seq, sizeof *s->hist))) {
+        snprintf(err, sizeof err, "out of memory for stage buffers");
+        e = KVS_ERR_NOMEM;
+        goto fail;
+    }
     s->in_dec = kvs_proto_decoder_create((uint32_t)max_payload, s->n_embd);
     s->out_dec = kvs_proto_decoder_create(KVS_PROTO_HELLO_BYTES + 4 + KVS_PROTO_MAX_ERRMSG, s->n_embd);
     if (!s->sbuf || !s->rbuf || !s->x || !s->y || !s->b_tok || !s->b_seq || !s->b_pos || !s->b_req ||
@@ -251,6 +257,9 @@ void kvs_stage_free(struct kvs_stage *s)
     free(s->b_req);
     free(s->b_logits);
     free(s->seqs);
+    if (s->hist)
+        for (int32_t i = 0; i < s->n_seq; i++) free(s->hist[i].ids);
+    free(s->hist);
     kvs_tokenizer_free(s->tok);
     kvs_model_free(s->m);
     kvs_gguf_close(s->g);

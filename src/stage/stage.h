@@ -10,9 +10,14 @@
  * request. Several sequences in flight are batched into one forward call on
  * every stage (one DECODE frame per step of the batch).
  *
- * Faults (PROTOCOL.md §5): a lost or silent neighbour fails every request in
- * flight with an error event within the timeout (default 4 s); the stage stays
- * up, re-dials / re-accepts, and serves new requests once the ring is whole.
+ * Faults (PROTOCOL.md §5): the stage stays up, re-dials / re-accepts, and
+ * serves again once the ring is whole. On the head, a lost or silent link
+ * anywhere in the ring holds every request in flight (its events pause, and
+ * new requests wait in the queue) until a probe gets round again; then each is
+ * re-prefilled with its prompt and the ids generated so far on every stage and
+ * continues, so its events are those of a run without the fault, none twice
+ * (§5.1). If the ring is not whole within replay_deadline_ms (default 30 s)
+ * they fail with an error event (KVS_ERR_PEER) and their slots are freed.
  *
  * Threads: kvs_stage_run runs the loop on the calling thread. kvs_stage_submit,
  * kvs_stage_cancel, kvs_stage_stop, kvs_stage_metrics and kvs_stage_ring_ready
@@ -70,7 +75,13 @@ struct kvs_stage_params {
     uint8_t prev_key[KVS_KEY_PUB_BYTES]; /* the predecessor's public key */
     uint8_t next_key[KVS_KEY_PUB_BYTES]; /* the successor's public key */
     bool insecure;                  /* plaintext, unauthenticated links: for debugging on one machine */
+    /* Head: when the ring breaks, requests in flight are held (their streams pause) until the
+     * ring is whole again, then replayed by token ids (docs/PROTOCOL.md §5.1); they fail only if
+     * it is not whole within this many ms. 0 = KVS_STAGE_REPLAY_DEADLINE_MS; < 0 = no hold:
+     * they fail at once (the behaviour before replay). */
+    int32_t replay_deadline_ms;
 };
+#define KVS_STAGE_REPLAY_DEADLINE_MS 30000
 #define KVS_STAGE_POOL_SPIN 200
 struct kvs_stage_params kvs_stage_default_params(void);
 
@@ -177,6 +188,8 @@ struct kvs_stage_metrics {
     uint64_t requests_started;  /* head: requests sent round */
     uint64_t requests_done;     /* head: ended with DONE */
     uint64_t requests_failed;   /* head: ended with ERROR (incl. cancelled) */
+    uint64_t requests_replayed; /* head: replays of held requests after a fault (§5.1; one per request and fault) */
+    int32_t n_held;             /* head: requests held now, waiting for the ring to be whole again */
     uint64_t tokens_generated;  /* head: TOKEN events; tail: tokens sampled */
     uint64_t prefill_tokens;    /* tokens run through this window as prompt */
     uint64_t decode_rows;       /* decode rows run through this window */

@@ -38,6 +38,7 @@ void kvs_st_head_token(struct kvs_stage *s, uint32_t req_id, uint32_t pos, struc
     s->progress = kvs_link_now_ms();
     struct seq *q = kvs_st_seq_find(s, req_id);
     if (!q) return; /* cancelled or failed meanwhile */
+    if (q->held) return; /* computed before the fault: the replay draws it again (§5.1) */
     if (tm.token < 0 || (uint32_t)tm.token >= s->n_vocab) {
         kvs_st_head_abort(s, q, q->req, KVS_ERR_FORMAT, "the tail sent a token id outside the vocabulary");
         return;
@@ -77,6 +78,8 @@ void kvs_st_head_token(struct kvs_stage *s, uint32_t req_id, uint32_t pos, struc
         kvs_st_send_simple(s, KVS_FRAME_END, 0, req, 0);
         return;
     }
+    if (s->hist && q->n_hist < s->hist[kvs_st_seq_slot(s, q)].cap)
+        s->hist[kvs_st_seq_slot(s, q)].ids[q->n_hist++] = tm.token;
     q->has_next = true;
     q->decoding = true;
     q->next_tok = tm.token;
@@ -129,6 +132,57 @@ static void solo_start(struct kvs_stage *s, struct queued *w, struct seq *q)
     kvs_st_tail_sample(s, q, s->y, (int32_t)n);
 }
 
+/* Head: sends request q round the ring: REQUEST_START with its parameters and
+ * ids[0..n) (the prompt; on a replay, prompt + generated, flag REPLAY), then
+ * the head's forward over those ids in n_batch chunks, each chunk's boundary
+ * as a PREFILL frame. max_tokens: the tokens still to generate. Returns
+ * false if the request ended or was held (a lost link) on the way. */
+static bool head_send(struct kvs_stage *s, struct seq *q, const int32_t *ids, uint32_t n, uint32_t max_tokens,
+                      bool replay)
+{
+    const uint32_t req = q->req;
+    struct kvs_req_params rp = q->rp;
+    rp.max_tokens = max_tokens;
+    kvs_proto_put_req(s->sbuf + KVS_PROTO_HEADER_BYTES, &rp, ids, n);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_REQUEST_START,
+                                  .flags = (uint8_t)((rp.ignore_eos ? KVS_FRAME_FLAG_IGNORE_EOS : 0) |
+                                                     (replay ? KVS_FRAME_FLAG_REPLAY : 0)),
+                                  .req = req, .n_tokens = n,
+                                  .payload_len = (uint32_t)kvs_proto_req_bytes(rp.n_stop, n) };
+    if (!kvs_st_send_built(s, &h)) {
+        /* a write error held it (kvs_st_head_fault); a link already down did not */
+        if (q->used && q->req == req && !q->held)
+            kvs_st_head_fault(s, KVS_ERR_PEER, "the ring is not complete (successor link down)");
+        return false;
+    }
+    int32_t slot = kvs_st_seq_slot(s, q);
+    for (uint32_t c = 0; c < n; c += (uint32_t)s->n_batch) {
+        uint32_t cnt = n - c < (uint32_t)s->n_batch ? n - c : (uint32_t)s->n_batch;
+        for (uint32_t i = 0; i < cnt; i++) {
+            s->b_seq[i] = slot;
+            s->b_pos[i] = (int32_t)(c + i);
+        }
+        struct kvs_batch b = { .n_tokens = (int32_t)cnt, .token = ids + c, .seq = s->b_seq, .pos = s->b_pos };
+        kvs_err e = kvs_st_forward(s, &b, s->y);
+        if (e) {
+            char msg[128];
+            snprintf(msg, sizeof msg, "forward on the prompt failed: %s", kvs_strerror(e));
+            kvs_st_head_abort(s, q, req, e, msg);
+            return false;
+        }
+        kvs_st_met_add(s, &s->met.prefill_tokens, cnt);
+        bool last = c + cnt == n;
+        size_t bytes = kvs_proto_put_boundary(s->sbuf + KVS_PROTO_HEADER_BYTES, s->y, (size_t)cnt * s->n_embd,
+                                              s->p.boundary_f32);
+        struct kvs_frame_header ph = { .kind = KVS_FRAME_PREFILL,
+                                       .flags = (uint8_t)((last ? KVS_FRAME_FLAG_LAST : 0) |
+                                                          (s->p.boundary_f32 ? KVS_FRAME_FLAG_F32 : 0)),
+                                       .req = req, .pos = c, .n_tokens = cnt, .payload_len = (uint32_t)bytes };
+        if (!kvs_st_send_built(s, &ph)) return false; /* out_lost held (or failed) every request */
+    }
+    return true;
+}
+
 static void head_start(struct kvs_stage *s, struct queued *w)
 {
     struct seq *q = kvs_st_seq_alloc(s, w->req);
@@ -139,49 +193,124 @@ static void head_start(struct kvs_stage *s, struct queued *w)
         solo_start(s, w, q);
         return;
     }
-    struct kvs_req_params rp = { .temp = w->r.sampling.temp, .top_k = w->r.sampling.top_k,
-                                 .top_p = w->r.sampling.top_p, .min_p = w->r.sampling.min_p,
-                                 .repeat_penalty = w->r.sampling.repeat_penalty,
-                                 .repeat_last_n = w->r.sampling.repeat_last_n, .seed = w->r.sampling.seed,
-                                 .max_tokens = (uint32_t)w->r.max_tokens, .ignore_eos = w->r.ignore_eos,
-                                 .n_stop = (uint32_t)w->r.n_stop_ids };
-    memcpy(rp.stop, w->stop, sizeof rp.stop);
+    q->rp = (struct kvs_req_params){ .temp = w->r.sampling.temp, .top_k = w->r.sampling.top_k,
+                                     .top_p = w->r.sampling.top_p, .min_p = w->r.sampling.min_p,
+                                     .repeat_penalty = w->r.sampling.repeat_penalty,
+                                     .repeat_last_n = w->r.sampling.repeat_last_n, .seed = w->r.sampling.seed,
+                                     .max_tokens = (uint32_t)w->r.max_tokens, .ignore_eos = w->r.ignore_eos,
+                                     .n_stop = (uint32_t)w->r.n_stop_ids };
+    memcpy(q->rp.stop, w->stop, sizeof q->rp.stop);
     uint32_t n = (uint32_t)w->r.n_prompt;
-    kvs_proto_put_req(s->sbuf + KVS_PROTO_HEADER_BYTES, &rp, w->prompt, n);
-    struct kvs_frame_header h = { .kind = KVS_FRAME_REQUEST_START,
-                                  .flags = rp.ignore_eos ? KVS_FRAME_FLAG_IGNORE_EOS : 0, .req = w->req,
-                                  .n_tokens = n, .payload_len = (uint32_t)kvs_proto_req_bytes(rp.n_stop, n) };
-    kvs_st_met_add(s, &s->met.requests_started, 1);
-    if (!kvs_st_send_built(s, &h)) {
-        kvs_st_head_end(s, q, KVS_ERR_PEER, 0, "the ring is not complete (successor link down)");
-        return;
-    }
-    int32_t slot = kvs_st_seq_slot(s, q);
-    for (uint32_t c = 0; c < n; c += (uint32_t)s->n_batch) {
-        uint32_t cnt = n - c < (uint32_t)s->n_batch ? n - c : (uint32_t)s->n_batch;
-        for (uint32_t i = 0; i < cnt; i++) {
-            s->b_seq[i] = slot;
-            s->b_pos[i] = (int32_t)(c + i);
-        }
-        struct kvs_batch b = { .n_tokens = (int32_t)cnt, .token = w->prompt + c, .seq = s->b_seq,
-                               .pos = s->b_pos };
-        kvs_err e = kvs_st_forward(s, &b, s->y);
-        if (e) {
-            char msg[128];
-            snprintf(msg, sizeof msg, "forward on the prompt failed: %s", kvs_strerror(e));
-            kvs_st_head_abort(s, q, w->req, e, msg);
+    /* the ids a replay needs: the prompt and every token that can come back (at most n_ctx in all) */
+    struct hist *hs = &s->hist[kvs_st_seq_slot(s, q)];
+    int64_t want = (int64_t)n + w->r.max_tokens + 1;
+    if (want > s->n_ctx + 1) want = s->n_ctx + 1;
+    if (hs->cap < want) {
+        int32_t *ids = realloc(hs->ids, (size_t)want * sizeof *ids);
+        if (!ids) {
+            kvs_st_met_add(s, &s->met.requests_started, 1);
+            kvs_st_head_end(s, q, KVS_ERR_NOMEM, 0, "out of memory for the request's ids");
             return;
         }
-        kvs_st_met_add(s, &s->met.prefill_tokens, cnt);
-        bool last = c + cnt == n;
-        size_t bytes = kvs_proto_put_boundary(s->sbuf + KVS_PROTO_HEADER_BYTES, s->y, (size_t)cnt * s->n_embd,
-                                              s->p.boundary_f32);
-        struct kvs_frame_header ph = { .kind = KVS_FRAME_PREFILL,
-                                       .flags = (uint8_t)((last ? KVS_FRAME_FLAG_LAST : 0) |
-                                                          (s->p.boundary_f32 ? KVS_FRAME_FLAG_F32 : 0)),
-                                       .req = w->req, .pos = c, .n_tokens = cnt, .payload_len = (uint32_t)bytes };
-        if (!kvs_st_send_built(s, &ph)) return; /* out_lost failed every request */
+        hs->ids = ids;
+        hs->cap = (int32_t)want;
     }
+    memcpy(hs->ids, w->prompt, (size_t)n * sizeof *hs->ids);
+    q->n_prompt = q->n_hist = (int32_t)n;
+    kvs_st_met_add(s, &s->met.requests_started, 1);
+    head_send(s, q, w->prompt, n, (uint32_t)w->r.max_tokens, false);
+}
+
+/* --- hold and replay (docs/PROTOCOL.md §5.1) ------------------------------- */
+
+int32_t kvs_st_head_n_live(const struct kvs_stage *s)
+{
+    int32_t n = 0;
+    for (int32_t i = 0; i < s->n_seq; i++) n += s->seqs[i].used && !s->seqs[i].held;
+    return n;
+}
+
+void kvs_st_head_fault(struct kvs_stage *s, kvs_err err, const char *msg)
+{
+    pthread_mutex_lock(&s->mu);
+    bool stopping = s->stopped;
+    pthread_mutex_unlock(&s->mu);
+    if (s->solo || stopping || s->replay_deadline_ms < 0 || err == KVS_ERR_CANCELLED) {
+        for (int32_t i = 0; i < s->n_seq; i++)
+            if (s->seqs[i].used) kvs_st_head_end(s, &s->seqs[i], err, 0, msg);
+        return;
+    }
+    int64_t now = kvs_link_now_ms();
+    int32_t n_new = 0, n_held = 0;
+    for (int32_t i = 0; i < s->n_seq; i++) {
+        struct seq *q = &s->seqs[i];
+        if (!q->used) continue;
+        n_new += !q->held;
+        q->held = true;
+        q->has_next = false; /* the replay feeds it again */
+        q->decoding = false;
+        n_held++;
+    }
+    if (!s->hold_since) {
+        s->hold_since = now;
+        snprintf(s->hold_why, sizeof s->hold_why, "%s", msg);
+    }
+    s->hold_probe = s->probe_no; /* whole again = a probe sent after this fault comes back */
+    if (n_new)
+        KVS_LOGW("ring broken (%s): holding %d request%s until it is whole again (at most %d ms)", msg, (int)n_held,
+                 n_held == 1 ? "" : "s", (int)(s->replay_deadline_ms - (now - s->hold_since)));
+    kvs_st_met_update(s);
+}
+
+void kvs_st_head_probe_back(struct kvs_stage *s, uint32_t probe_no)
+{
+    if (!s->hold_since || (int32_t)(probe_no - s->hold_probe) <= 0) return;
+    int64_t dt = kvs_link_now_ms() - s->hold_since;
+    s->hold_since = 0;
+    int32_t n = 0;
+    for (int32_t i = 0; i < s->n_seq; i++) n += s->seqs[i].used && s->seqs[i].held;
+    KVS_LOGI("ring whole again after %lld ms: replaying %d held request%s", (long long)dt, (int)n, n == 1 ? "" : "s");
+    if (n) s->admit_more = true;
+}
+
+/* Replays one held request (the ring is whole): its slot on this stage is
+ * cleared, and prompt + generated ids go round as a REPLAY request, so every
+ * stage rebuilds its KV cache (and recurrent state) from the ids and the tail
+ * samples the next position. Returns false if none was held. */
+static bool head_replay_one(struct kvs_stage *s)
+{
+    for (int32_t i = 0; i < s->n_seq; i++) {
+        struct seq *q = &s->seqs[i];
+        if (!q->used || !q->held) continue;
+        kvs_model_seq_clear(s->m, i);
+        q->held = false;
+        q->has_next = q->decoding = false;
+        uint32_t n_gen = (uint32_t)(q->n_hist - q->n_prompt);
+        KVS_LOGD("request %u: replay of %d ids (%u generated)", q->req, (int)q->n_hist, n_gen);
+        kvs_st_met_add(s, &s->met.requests_replayed, 1);
+        head_send(s, q, s->hist[i].ids, (uint32_t)q->n_hist, q->max_tokens > n_gen ? q->max_tokens - n_gen : 1,
+                  true);
+        return true;
+    }
+    return false;
+}
+
+/* Held requests whose ring did not come back within the deadline fail. */
+static void head_hold_expired(struct kvs_stage *s)
+{
+    if (!s->hold_since || kvs_link_now_ms() - s->hold_since < s->replay_deadline_ms) return;
+    char msg[sizeof s->hold_why + 128];
+    snprintf(msg, sizeof msg, "the ring broke and was not whole again within %d ms: %s", (int)s->replay_deadline_ms,
+             s->hold_why);
+    s->hold_since = 0;
+    int32_t n = 0;
+    for (int32_t i = 0; i < s->n_seq; i++) {
+        struct seq *q = &s->seqs[i];
+        if (!q->used || !q->held) continue;
+        n++;
+        kvs_st_head_abort(s, q, q->req, KVS_ERR_PEER, msg); /* CANCEL: live stages free the slot */
+    }
+    KVS_LOGW("%s (%d held request%s failed)", msg, (int)n, n == 1 ? "" : "s");
 }
 
 void kvs_st_free_queued(struct queued *w)
@@ -193,13 +322,19 @@ void kvs_st_free_queued(struct queued *w)
 
 void kvs_st_head_admit(struct kvs_stage *s)
 {
+    head_hold_expired(s);
+    if (!s->hold_since && head_replay_one(s)) {
+        s->admit_more = true; /* one replay per loop turn: frames are read between two */
+        kvs_st_met_update(s);
+        return;
+    }
     for (;;) {
         struct queued *w = NULL;
         uint32_t cancel = 0;
         pthread_mutex_lock(&s->mu);
         if (s->n_cancels) {
             cancel = s->cancels[--s->n_cancels];
-        } else if (s->n_queue && kvs_st_n_active(s) < s->n_seq) {
+        } else if (s->n_queue && kvs_st_n_active(s) < s->n_seq && !s->hold_since) { /* a hold: they wait */
             w = s->queue[0];
             memmove(s->queue, s->queue + 1, (size_t)(s->n_queue - 1) * sizeof s->queue[0]);
             s->n_queue--;

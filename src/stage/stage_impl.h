@@ -55,6 +55,18 @@ struct seq {
     bool has_next;            /* a token is waiting to be fed */
     bool decoding;            /* its first token came back: it takes part in decode batches */
     int32_t next_tok, next_pos;
+    /* head, for a replay (§5.1): the request's parameters; its ids (prompt, then every token
+     * that came back) lie in s->hist[slot] */
+    struct kvs_req_params rp;
+    int32_t n_prompt, n_hist;
+    bool held;                /* the ring broke: waiting for it to be whole, then replayed */
+};
+
+/* Head: one slot's token ids (prompt + generated), kept for a replay; grown
+ * when a request starts, never in the decode loop. */
+struct hist {
+    int32_t *ids;
+    int32_t cap;
 };
 
 struct queued {
@@ -122,6 +134,12 @@ struct kvs_stage {
     uint64_t out_dropped;         /* frames dropped while the out link was down */
 
     struct seq *seqs;
+    struct hist *hist;            /* head (not solo): [n_seq] */
+    /* head: hold and replay (§5.1) */
+    int32_t replay_deadline_ms;   /* < 0: no hold */
+    int64_t hold_since;           /* the ring broke at this time (kvs_link_now_ms) and is not known whole; 0 none */
+    uint32_t hold_probe;          /* probe_no at the latest fault: a later probe back = whole again */
+    char hold_why[KVS_PROTO_MAX_ERRMSG + 64];
     /* work buffers, sized at create */
     uint8_t *sbuf;
     size_t sbuf_cap;
@@ -210,6 +228,14 @@ void kvs_st_on_token(struct kvs_stage *s, const struct kvs_frame *f);
 void kvs_st_free_queued(struct queued *w);
 void kvs_st_head_admit(struct kvs_stage *s);
 void kvs_st_head_decode(struct kvs_stage *s);
+/* Head: the ring broke (a lost link, an ERROR for req 0, a stall): holds every request in flight
+ * for a replay, or (no hold: replay_deadline_ms < 0, or the stage is stopping) ends each with
+ * err / msg. */
+void kvs_st_head_fault(struct kvs_stage *s, kvs_err err, const char *msg);
+/* Head: probe probe_no came back round the ring. */
+void kvs_st_head_probe_back(struct kvs_stage *s, uint32_t probe_no);
+/* Head: requests in flight that are not held. */
+int32_t kvs_st_head_n_live(const struct kvs_stage *s);
 
 /* --- the tail: sampling (stage_tail.c) --- */
 

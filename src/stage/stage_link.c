@@ -147,6 +147,10 @@ static kvs_err check_hello(const struct kvs_stage *s, const struct kvs_hello *o,
 /* Every sequence is dead once a link on the data path broke. */
 void kvs_st_drop_all(struct kvs_stage *s, kvs_err err, const char *msg)
 {
+    if (s->is_head) { /* held for a replay (§5.1), or ended */
+        kvs_st_head_fault(s, err, msg);
+        return;
+    }
     for (int32_t i = 0; i < s->n_seq; i++) {
         if (!s->seqs[i].used) continue;
         if (s->is_head) kvs_st_head_end(s, &s->seqs[i], err, 0, msg);

@@ -25,12 +25,14 @@ void kvs_st_met_update(struct kvs_stage *s)
     pthread_mutex_lock(&s->mu);
     s->met.n_active = kvs_st_n_active(s);
     s->met.n_queued = s->n_queue;
+    s->met.n_held = 0;
+    for (int32_t i = 0; i < s->n_seq; i++) s->met.n_held += s->seqs[i].used && s->seqs[i].held;
     s->met.in_up = s->in != NULL;
     s->met.out_up = s->out_state == OUT_UP;
     int64_t now = kvs_link_now_ms();
     s->met.ring_ready = s->solo ||
                         (s->met.in_up && s->met.out_up &&
-                        (!s->is_head || (s->probe_back && (now - s->probe_back < s->p.timeout_ms ||
+                        (!s->is_head || (!s->hold_since && s->probe_back && (now - s->probe_back < s->p.timeout_ms ||
                                                            now - s->progress < s->p.timeout_ms))));
     pthread_mutex_unlock(&s->mu);
     pthread_cond_broadcast(&s->cv);
@@ -196,7 +198,7 @@ static void timers(struct kvs_stage *s)
         /* Until the ring is known closed, a probe sent while a later link was
          * still down is lost: probe again soon instead of after keepalive_ms
          * (that wait was up to a second before the first request could go). */
-        const int64_t every = s->met.ring_ready ? s->p.keepalive_ms : PROBE_UNREADY_MS;
+        const int64_t every = s->met.ring_ready && !s->hold_since ? s->p.keepalive_ms : PROBE_UNREADY_MS;
         if (s->is_head && now - s->probe_sent >= every) {
             s->probe_no++;
             s->probe_sent = now;
@@ -208,7 +210,7 @@ static void timers(struct kvs_stage *s)
     /* Probes queue behind the frames every stage is computing: a busy ring
      * (long prefills, an oversubscribed machine) delays them without being
      * stalled. Stalled = neither a probe nor a token came back. */
-    if (s->is_head && kvs_st_n_active(s) > 0 && s->probe_back && now - s->probe_back > s->p.timeout_ms &&
+    if (s->is_head && kvs_st_head_n_live(s) > 0 && s->probe_back && now - s->probe_back > s->p.timeout_ms &&
         now - s->progress > s->p.timeout_ms && !in_pending(s)) {
         char msg[128];
         snprintf(msg, sizeof msg, "ring stalled: no probe came back for %d ms", (int)(now - s->probe_back));
@@ -268,7 +270,8 @@ kvs_err kvs_stage_run(struct kvs_stage *s)
         bool busy = s->admit_more;
         if (s->solo) /* one-stage ring: sampled tokens wait to be fed, no frame will wake the loop */
             for (int32_t i = 0; i < s->n_seq && !busy; i++) busy = s->seqs[i].used && s->seqs[i].has_next;
-        int r = poll(pf, (nfds_t)np, busy ? 0 : s->is_head && !s->met.ring_ready ? PROBE_UNREADY_MS : 100);
+        int r = poll(pf, (nfds_t)np,
+                     busy ? 0 : s->is_head && (!s->met.ring_ready || s->hold_since) ? PROBE_UNREADY_MS : 100);
         s->admit_more = false;
         if (r < 0 && errno != EINTR) return KVS_ERR_IO;
         if (r > 0) {

@@ -74,6 +74,7 @@ void kvs_st_on_keepalive(struct kvs_stage *s, const struct kvs_frame *f)
         if ((uint32_t)(s->probe_no - f->h.pos) < PROBE_ACCEPT) {
             s->probe_back = kvs_link_now_ms();
             if (f->h.flags & KVS_FRAME_FLAG_TRAIL) head_take_trail(s, f, now);
+            kvs_st_head_probe_back(s, f->h.pos);
         }
         kvs_st_met_update(s);
         return;

@@ -63,6 +63,8 @@ void kvs_st_on_request_start(struct kvs_stage *s, const struct kvs_frame *f)
     struct kvs_req_params rp;
     const uint8_t *prompt;
     kvs_proto_get_req(f, &rp, &prompt);
+    if ((f->h.flags & KVS_FRAME_FLAG_REPLAY) && kvs_st_seq_find(s, req))
+        kvs_st_seq_free(s, kvs_st_seq_find(s, req)); /* a replay (§5.1): the old slot is stale */
     if (kvs_st_seq_find(s, req)) {
         kvs_st_fail_req(s, NULL, req, KVS_ERR_FORMAT, "duplicate request id");
         return;

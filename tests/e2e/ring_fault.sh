@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Faults: kill a middle stage mid-generation -> the client gets an error
+# Faults: kill a middle stage mid-generation, no replacement -> the head holds
+# the request for its --replay-deadline (2 s here), then the client gets an error
 # within 5 s; restart it (same window) -> a new request succeeds. Garbage sent
 # to a stage's listen port is logged and the stage survives.
 set -uo pipefail
@@ -32,7 +33,7 @@ start_rank 1 1 2
 start_rank 2 2 3
 start_rank 3 3 4
 mkfifo "$tmp/in"
-"$BIN" stage -m "$M" --window 0:1 --listen "$(addr 0)" --next "$(addr 1)" $(key_args "$tmp" 0 4) --prompts - -n 60 --temp 0 \
+"$BIN" stage -m "$M" --window 0:1 --listen "$(addr 0)" --next "$(addr 1)" $(key_args "$tmp" 0 4) --replay-deadline 2 --prompts - -n 60 --temp 0 \
   <"$tmp/in" >"$tmp/out" 2>"$tmp/rank0.log" &
 pids+=($!)
 exec 3>"$tmp/in"
