@@ -210,38 +210,27 @@ for (const bad of [{ ...req, max_tokens: 0 }, { ...req, temperature: 5 }, { ...r
   const byHand = await tiny.completions.create({ model: 'aidreams260K', prompt: '<|im_start|>user\nOnce upon a time<|im_end|>\n<|im_start|>assistant\n', max_tokens: 20, temperature: 0 });
   assert.equal(text, byHand.choices[0].text, 'ChatML fallback renders <|im_start|>role\\ncontent<|im_end|>\\n');
 }
-// the ring breaks mid-stream (the tail stage dies): the stream ends with an
-// error event (the client raises APIError), then /health and requests say 503
+// the ring breaks mid-stream (the tail stage dies): the supervisor restarts
+// it, the head holds and replays the request (docs/PROTOCOL.md 5.1), and the
+// stream goes on: its text is the undisturbed one, no token twice or missing
 {
   const child = Number(process.env.KVASIR_TINY_CHILD);
   assert.ok(child > 0, 'pid of the tail stage');
+  const calm = await tiny.completions.create({ ...req, max_tokens: 100 });
   const s = await tiny.completions.create({ ...req, max_tokens: 100, stream: true });
   let got = 0;
   let text = '';
-  await assert.rejects((async () => {
-    for await (const ch of s) {
-      text += ch.choices[0].text;
-      if (++got === 3) process.kill(child, 'SIGKILL');
-    }
-  })(), (e) => {
-    assert.ok(e instanceof APIError, `not an APIError: ${e}`);
-    assert.match(e.message, /ring/);
-    return true;
-  });
-  assert.ok(expected.startsWith(text), 'text before the failure is the reference prefix');
-  // the head notices the broken ring within its link timeout (<= 5 s)
-  let h;
-  for (let i = 0; i < 50; i++) {
-    h = await fetch(`http://127.0.0.1:${tinyPort}/health`);
-    if (h.status === 503) break;
-    await new Promise((r) => setTimeout(r, 100));
+  for await (const ch of s) {
+    text += ch.choices[0].text;
+    if (++got === 3) process.kill(child, 'SIGKILL');
   }
-  assert.equal(h.status, 503);
-  await assert.rejects(tiny.completions.create(req), (e) => e instanceof APIError && e.status === 503);
-  const m = await metrics(tinyPort);
-  assert.equal(metric(m, 'kvasir_requests_total{status="error"}'), 1);
-  assert.equal(metric(m, 'kvasir_requests_total{status="unavailable"}'), 1);
-  assert.equal(metric(m, 'kvasir_ring_ready'), 0);
+  assert.ok(got > 3, `the stream ended after ${got} chunks`);
+  assert.equal(text, calm.choices[0].text, 'the stream through the fault has the undisturbed text');
+  assert.ok(calm.choices[0].text.startsWith(expected.slice(0, 40)));
+  const h = await fetch(`http://127.0.0.1:${tinyPort}/health`);
+  assert.equal(h.status, 200, 'the ring is whole again');
+  const r = await tiny.completions.create(req);
+  assert.equal(r.choices[0].text, expected);
 }
 // serve --api-key-file: the official client with the right key is served; a
 // wrong key or none gets OpenAI's 401 error object; /health and /metrics stay open.
