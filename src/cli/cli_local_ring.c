@@ -200,6 +200,13 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
             args[na++] = "--step-delay";
             args[na++] = k->a_delay;
         }
+        if (o->backend) {
+            snprintf(k->a_dev, sizeof k->a_dev, "%d", o->device);
+            args[na++] = "--backend";
+            args[na++] = "opencl";
+            args[na++] = "--device";
+            args[na++] = k->a_dev;
+        }
         args[na] = NULL;
         pid_t pid = spawn(lr, k);
         if (pid < 0) {
@@ -220,6 +227,8 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
     head->n_ctx = (int32_t)o->n_ctx;
     head->n_seq = (int32_t)o->seqs;
     head->boundary_f32 = o->boundary_f32;
+    head->backend = o->backend;
+    head->device = o->device;
     head->step_delay_ms = (int32_t)o->step_delay_ms;
     head->insecure = !keyed;
     if (keyed) {

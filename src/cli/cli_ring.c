@@ -415,7 +415,8 @@ static void ring_usage(FILE *f)
                "  --insecure           plaintext links (default: throw-away node keys, TLS on every link)\n"
                "  --replay-deadline S  a stage that dies is restarted; meanwhile requests in flight are held\n"
                "                       and replayed once the ring is whole again; they fail after S seconds\n"
-               "                       (default 30; 0: fail at once; docs/PROTOCOL.md 5.1)\n");
+               "                       (default 30; 0: fail at once; docs/PROTOCOL.md 5.1)\n"
+               "  --backend, --device  apply to every stage of the ring\n");
     /* --step-delay MS (sleep before every forward on every stage) is a test hook: not listed */
 }
 
@@ -455,6 +456,7 @@ int kvs_cli_run_ring(int argc, char **argv)
     long ring = 0, threads = 0, n_ctx = 0, seqs = 0, delay = 0; /* threads 0: the cores shared by the stages */
     float replay_s = KVS_STAGE_REPLAY_DEADLINE_MS / 1000.0f;
     bool f32 = false, insecure = false;
+    int backend = 0, device = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -476,7 +478,8 @@ int kvs_cli_run_ring(int argc, char **argv)
         }
         int bad = 0;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
-        else if (kvs_ring_client_opt(a, v, &co, &bad)) {
+        else if (kvs_cli_backend_opt(a, v, &backend, &device, &bad)) {
+        } else if (kvs_ring_client_opt(a, v, &co, &bad)) {
         } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) bad = kvs_cli_parse_long(v, 1, 512, &threads);
         else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) bad = kvs_cli_parse_long(v, 1, 1 << 24, &n_ctx);
         else if (!strcmp(a, "--ring")) bad = kvs_cli_parse_long(v, 2, 1024, &ring);
@@ -518,7 +521,8 @@ int kvs_cli_run_ring(int argc, char **argv)
     struct kvs_stage_params sp = kvs_stage_default_params();
     struct kvs_local_ring_opts lo = { .who = "run", .model = model, .n = (int)ring, .threads = threads,
                                       .n_ctx = n_ctx, .seqs = seqs, .boundary_f32 = f32, .insecure = insecure,
-                                      .child_mask = &old, .step_delay_ms = delay };
+                                      .child_mask = &old, .step_delay_ms = delay, .backend = backend,
+                                      .device = device };
     struct kvs_stage *head = NULL;
     int rc = kvs_local_ring_start(&lo, &lr, &sp);
     if (rc) goto done;

@@ -45,6 +45,7 @@ struct kvs_local_ring_opts {
     bool allow_solo;          /* n = 1: the head holds every block, no child, no link (serve) */
     long threads, n_ctx, seqs, step_delay_ms;
     bool boundary_f32;
+    int backend, device;      /* every stage's --backend (0 cpu, 1 opencl) and --device */
     bool insecure;            /* plaintext links (--insecure); otherwise throw-away keys, TLS on every link */
     const sigset_t *child_mask; /* signal mask the children start with (NULL: inherited) */
 };
@@ -54,6 +55,7 @@ struct kvs_local_child {
     char *args[40];
     char self[4096], model[1024];
     char a_listen[64], a_next[64], a_win[64], a_thr[24], a_ctx[24], a_seq[24], a_delay[24], a_key[128];
+    char a_dev[24];
     char a_prev_key[80], a_next_key[80];
     int block_begin, block_end;
     int64_t started_ms, restart_at_ms; /* kvs_link_now_ms */

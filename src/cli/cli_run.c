@@ -23,6 +23,7 @@ struct run_opts {
     long threads;
     long n_ctx;
     long ring;     /* 0: single process; N: a local ring of N stages */
+    int backend, device; /* --backend (0 cpu, 1 opencl), --device */
     bool ignore_eos;
     struct kvs_sampler_params sp;
 };
@@ -47,6 +48,7 @@ static void run_usage(FILE *f)
                "  --ring N             run as a local ring of N stage processes on loopback; with\n"
                "                       --ring, also --prompts FILE, --parallel P, --seqs S and\n"
                "                       --boundary f16|f32 (`kvasir run --ring 2 --help` explains them)\n");
+    fputs(KVS_CLI_BACKEND_HELP, f);
     fputs(KVS_CLI_MODEL_URL_HELP, f);
 }
 
@@ -75,7 +77,9 @@ static int run_parse(int argc, char **argv, struct run_opts *o)
         }
         long lv = 0;
         int bad = 0;
-        if (!strcmp(a, "-m") || !strcmp(a, "--model"))
+        if (kvs_cli_backend_opt(a, v, &o->backend, &o->device, &bad))
+            ;
+        else if (!strcmp(a, "-m") || !strcmp(a, "--model"))
             o->model = v;
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt"))
             o->prompt = v;
@@ -170,6 +174,8 @@ static int run_single(const struct run_opts *o)
     struct kvs_model_params mp = kvs_model_default_params();
     mp.n_ctx = (int32_t)o->n_ctx;
     mp.n_threads = (int32_t)o->threads;
+    mp.backend = o->backend ? KVS_BACKEND_OPENCL : KVS_BACKEND_CPU;
+    mp.device = o->device;
     if ((e = kvs_model_load(g, &mp, &m, err, sizeof err))) {
         KVS_LOGE("run: model: %s (%s)", kvs_strerror(e), err);
         goto done;

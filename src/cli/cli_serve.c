@@ -54,6 +54,7 @@ static void serve_usage(FILE *f)
                "  --api-key-file FILE  the same, KEY read from FILE's first line (keeps it out of ps)\n"
                "  --auth-all           with an API key: /health and /metrics need it too\n");
     /* --step-delay MS (sleep before every forward on every stage) is a test hook: not listed */
+    fputs(KVS_CLI_BACKEND_HELP, f); /* every stage of --ring N */
     fputs(KVS_CLI_MODEL_URL_HELP, f);
 }
 
@@ -72,6 +73,7 @@ int kvs_cli_serve(int argc, char **argv)
     const char *api_key = NULL, *api_key_file = NULL;
     long per_addr = 16, req_timeout = 30;
     float replay_s = KVS_STAGE_REPLAY_DEADLINE_MS / 1000.0f;
+    int backend = 0, device = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -91,7 +93,8 @@ int kvs_cli_serve(int argc, char **argv)
         i++; /* v is this option's value */
         int bad = 0;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
-        else if (!strcmp(a, "--ring")) bad = kvs_cli_parse_long(v, 1, 1024, &ring);
+        else if (kvs_cli_backend_opt(a, v, &backend, &device, &bad)) {
+        } else if (!strcmp(a, "--ring")) bad = kvs_cli_parse_long(v, 1, 1024, &ring);
         else if (!strcmp(a, "--port")) bad = kvs_cli_parse_long(v, 0, 65535, &port);
         else if (!strcmp(a, "--host")) host = v;
         else if (!strcmp(a, "--model-name")) name = v;
@@ -152,7 +155,8 @@ int kvs_cli_serve(int argc, char **argv)
     struct kvs_stage_params sp = kvs_stage_default_params();
     struct kvs_local_ring_opts lo = { .who = "serve", .model = model, .n = (int)ring, .threads = threads,
                                       .n_ctx = n_ctx, .seqs = seqs, .step_delay_ms = delay,
-                                      .boundary_f32 = f32, .insecure = insecure, .child_mask = &old, .allow_solo = true };
+                                      .boundary_f32 = f32, .insecure = insecure, .child_mask = &old, .allow_solo = true,
+                                      .backend = backend, .device = device };
     int rc = sfd < 0 ? 1 : kvs_local_ring_start(&lo, &lr, &sp);
     if (rc) {
         if (sfd < 0) fprintf(stderr, "kvasir serve: cannot set up signals\n");

@@ -59,6 +59,7 @@ static void stage_usage(FILE *f)
                "head only, as a client of its own ring:\n"
                "  -p TEXT | --prompts FILE ('-' = stdin)   -n N  --temp T  --top-k K  --top-p P  --min-p P\n"
                "  --repeat-penalty R  --seed S  --ignore-eos  --parallel P\n", KVS_STAGE_POOL_SPIN);
+    fputs(KVS_CLI_BACKEND_HELP, f);
     fputs(KVS_CLI_MODEL_URL_HELP, f);
 }
 
@@ -144,8 +145,9 @@ int kvs_cli_stage(int argc, char **argv)
             stage_usage(stderr);
             return 2;
         }
-        int bad = 0;
-        if (!strcmp(a, "-m") || !strcmp(a, "--model")) p.model_path = v;
+        int bad = 0, be = p.backend, dev = p.device;
+        if (kvs_cli_backend_opt(a, v, &be, &dev, &bad)) p.backend = be, p.device = dev;
+        else if (!strcmp(a, "-m") || !strcmp(a, "--model")) p.model_path = v;
         else if (!strcmp(a, "--window")) window = v;
         else if (!strcmp(a, "--listen")) p.listen = v;
         else if (!strcmp(a, "--next")) p.next = v;

@@ -103,6 +103,8 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
     mp.n_seq = s->p.n_seq;
     mp.n_batch = s->p.n_batch;
     mp.n_threads = s->p.n_threads;
+    mp.backend = p->backend == KVS_BACKEND_OPENCL ? KVS_BACKEND_OPENCL : KVS_BACKEND_CPU;
+    mp.device = p->device;
     /* The pool is created by kvs_model_load, on this thread. */
     int spin_prev = kvs_pool_set_thread_spin(p->pool_spin == 0 ? KVS_STAGE_POOL_SPIN : p->pool_spin);
     e = kvs_model_load(s->g, &mp, &s->m, err, sizeof err);

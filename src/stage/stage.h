@@ -50,6 +50,8 @@ struct kvs_stage_params {
     const char *relay_pin;    /* wss:// links: SHA-256 (hex) of the relay certificate's DER, trusted
                                * instead of relay_ca; NULL: none. Copied at create */
     int32_t n_threads;        /* compute threads (default 2) */
+    int32_t backend;          /* enum kvs_backend (model.h): 0 cpu (default), 1 opencl */
+    int32_t device;           /* OpenCL device index (default 0) */
     int32_t n_ctx;            /* positions per sequence, 0 = model default; all stages must agree */
     int32_t n_seq;            /* sequence slots (default 4) */
     int32_t n_batch;          /* most tokens per forward and per PREFILL frame (default 512); all stages must agree */
