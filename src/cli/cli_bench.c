@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "ocl/ocl.h"
 #include "trust/trust.h"
 
 static double now_s(void)
@@ -108,7 +109,12 @@ static uint64_t mem_available(void)
 static void bench_usage(FILE *f)
 {
     fprintf(f, "usage: kvasir bench --probe [--name NAME] [--threads N] [--mib M] [--addr HOST:PORT] [--key FILE]\n"
-               "  prints a device object for the planner's inventory (docs/PLAN.md)\n"
+               "                          [--backend cpu|opencl] [--device N]\n"
+               "  prints a device object for the planner's inventory (docs/PLAN.md); lists the OpenCL\n"
+               "  devices found on stderr (their index is --device N of stage, run, serve, eval)\n"
+               "  --backend opencl  measure OpenCL device N (--device, default 0) instead of the CPU:\n"
+               "               backend \"opencl\", mem_bytes its memory, decode_gbps its read bandwidth,\n"
+               "               prefill_gflops its multiply-add rate\n"
                "  --threads N  threads to stream and compute with (default: online CPUs)\n"
                "  --mib M      buffer to stream, MiB (default 512)\n"
                "  --addr HOST:PORT  where this device's stage will listen (the manifest's listen/next)\n"
@@ -136,6 +142,58 @@ static void json_str(FILE *f, const char *s)
     fputc('"', f);
 }
 
+/* The OpenCL devices, one line each on stderr (or why there are none). */
+static void list_opencl(void)
+{
+    struct kvs_ocl_device_info d[16];
+    int n = 0;
+    char err[512] = "";
+    if (kvs_ocl_devices(d, 16, &n, err, sizeof err)) {
+        fprintf(stderr, "kvasir bench: OpenCL: %s\n", err);
+        return;
+    }
+    for (int i = 0; i < n && i < 16; i++)
+        fprintf(stderr, "kvasir bench: OpenCL device %d: %s (%s, %s), %s, %.0f MiB, largest buffer %.0f MiB, %u compute units\n",
+                i, d[i].name, d[i].platform, d[i].version, d[i].gpu ? "GPU" : "not a GPU",
+                (double)d[i].global_mem / 1048576.0, (double)d[i].max_alloc / 1048576.0, d[i].compute_units);
+}
+
+/* bench --probe --backend opencl: the device entry measured on OpenCL device `device`. */
+static int probe_opencl(int device, size_t bytes, const char *name, const char *addr, const char *key_hex)
+{
+    char err[4096] = "";
+    struct kvs_ocl *c = NULL;
+    kvs_err e = kvs_ocl_open(device, &c, err, sizeof err);
+    if (e) {
+        fprintf(stderr, "kvasir bench: --backend opencl: %s\n", err);
+        return 1;
+    }
+    double gbps = 0, gflops = 0;
+    if ((e = kvs_ocl_measure(c, bytes, &gbps, &gflops, err, sizeof err))) {
+        fprintf(stderr, "kvasir bench: measuring OpenCL device %d: %s\n", device, err);
+        kvs_ocl_close(c);
+        return 1;
+    }
+    const struct kvs_ocl_device_info *di = kvs_ocl_info(c);
+    printf("{\"name\": ");
+    json_str(stdout, name);
+    printf(", \"backend\": \"opencl\", \"device\": %d, \"device_name\": ", device);
+    json_str(stdout, di->name);
+    printf(", \"mem_bytes\": %llu, \"decode_gbps\": %.3f, \"prefill_gflops\": %.3f, \"rtt_ms\": 1.0, "
+           "\"bandwidth_mbps\": 1000, \"accepts_inbound\": true",
+           (unsigned long long)di->global_mem, gbps, gflops);
+    if (addr) {
+        printf(", \"addr\": ");
+        json_str(stdout, addr);
+    }
+    if (key_hex[0]) printf(", \"key\": \"%s\"", key_hex);
+    printf("}\n");
+    fprintf(stderr, "kvasir bench: rtt_ms, bandwidth_mbps and accepts_inbound are LAN defaults, not measured: "
+                    "edit them for this device's network (docs/PLAN.md)\n");
+    kvs_ocl_close(c);
+    return 0;
+}
+
 int kvs_cli_bench(int argc, char **argv)
 {
     bool probe = false;
@@ -146,11 +204,18 @@ int kvs_cli_bench(int argc, char **argv)
     name[sizeof name - 1] = '\0';
     long nproc = sysconf(_SC_NPROCESSORS_ONLN);
     long threads = nproc > 0 ? (nproc > 256 ? 256 : nproc) : 1, mib = 512;
+    int backend = 0, device = 0, bad = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             bench_usage(stdout);
             return 0;
+        } else if (v && kvs_cli_backend_opt(a, v, &backend, &device, &bad)) {
+            if (bad) {
+                fprintf(stderr, "kvasir bench: bad value for %s: %s\n", a, v);
+                return 2;
+            }
+            i++;
         } else if (!strcmp(a, "--probe")) {
             probe = true;
         } else if (!strcmp(a, "--name") && v) {
@@ -202,6 +267,8 @@ int kvs_cli_bench(int argc, char **argv)
         kvs_key_public_hex(pub, key_hex);
         kvs_key_free(k);
     }
+    list_opencl();
+    if (backend) return probe_opencl(device, (size_t)mib << 20, name, addr, key_hex);
     size_t bytes = (size_t)mib << 20;
     size_t words = bytes / sizeof(uint64_t);
     uint64_t *buf = malloc(bytes);

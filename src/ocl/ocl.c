@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ocl_kernels_src.h" /* generated: static const char kvs_ocl_kernels_src[] */
 
@@ -31,11 +32,14 @@ enum {
     K_SWIGLU,
     K_MOE_ROUTE,
     K_MOE_SUM,
+    K_BW_READ,
+    K_FLOPS,
     K_COUNT_
 };
 static const char *const kernel_names[K_COUNT_] = {
     "quant_q8_0", "quant_q8_K", "quant_f16", "mm_f32",  "mm_f16",   "mm_q8_0",   "mm_q4_0",   "mm_q4_K",   "mm_q6_K",
     "rmsnorm",    "rope",       "kv_store",  "attention", "add",    "add_bias",  "swiglu",    "moe_route", "moe_sum",
+    "bw_read",    "flops",
 };
 
 struct kvs_ocl {
@@ -95,12 +99,23 @@ static int enumerate(cl_device_id *devs, cl_platform_id *plats, int cap, char *e
     return n;
 }
 
+/* A string property, truncated to cap - 1 bytes (the query itself fails on a
+ * buffer shorter than the value). */
+static void info_str(cl_platform_id p, cl_device_id d, cl_uint what, char *out, size_t cap)
+{
+    char tmp[1024] = "";
+    cl_int rc = p ? clGetPlatformInfo(p, what, sizeof tmp - 1, tmp, NULL) : clGetDeviceInfo(d, what, sizeof tmp - 1, tmp, NULL);
+    if (rc != CL_SUCCESS) tmp[0] = '\0';
+    tmp[sizeof tmp - 1] = '\0';
+    snprintf(out, cap, "%s", tmp);
+}
+
 static void describe(cl_platform_id p, cl_device_id d, struct kvs_ocl_device_info *o)
 {
     memset(o, 0, sizeof *o);
-    clGetPlatformInfo(p, CL_PLATFORM_NAME, sizeof o->platform - 1, o->platform, NULL);
-    clGetDeviceInfo(d, CL_DEVICE_NAME, sizeof o->name - 1, o->name, NULL);
-    clGetDeviceInfo(d, CL_DEVICE_VERSION, sizeof o->version - 1, o->version, NULL);
+    info_str(p, NULL, CL_PLATFORM_NAME, o->platform, sizeof o->platform);
+    info_str(NULL, d, CL_DEVICE_NAME, o->name, sizeof o->name);
+    info_str(NULL, d, CL_DEVICE_VERSION, o->version, sizeof o->version);
     cl_ulong gm = 0, ma = 0;
     cl_uint cu = 0;
     cl_device_type t = 0;
@@ -393,7 +408,9 @@ static void matmul_any(struct kvs_ocl *c, const struct kvs_ocl_weight *W, struct
         quantize(c, W->type, x, (R + x_div - 1) / x_div, W->K, act);
         a = act;
     }
-    const size_t L = c->wg[ki];
+    /* a group as wide as the row has blocks (rows of few blocks: no idle items) */
+    size_t L = 1;
+    while (L < c->wg[ki] && (int64_t)L < nb) L *= 2;
     ARG_MEM(ki, 0, W->buf);
     ARG_VAL(ki, 1, cl_ulong, W->row_bytes);
     ARG_VAL(ki, 2, cl_ulong, W->expert_stride);
@@ -555,4 +572,62 @@ void kvs_ocl_moe_sum(struct kvs_ocl *c, struct kvs_ocl_buf *ys, struct kvs_ocl_b
     ARG_VAL(ki, 4, cl_int, E);
     ARG_VAL(ki, 5, cl_int, n_tok * E);
     run1(c, ki, (size_t)(n_tok * E));
+}
+
+/* --- measurement ------------------------------------------------------------ */
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+kvs_err kvs_ocl_measure(struct kvs_ocl *c, size_t bytes, double *read_gbps, double *gflops, char *errbuf,
+                        size_t errlen)
+{
+    *read_gbps = *gflops = 0.0;
+    if (bytes > c->info.max_alloc) bytes = (size_t)c->info.max_alloc;
+    bytes &= ~(size_t)15;
+    if (bytes < 4096) bytes = 4096;
+    const size_t L = c->wg[K_BW_READ];
+    size_t items = (size_t)c->info.compute_units * 16 * L;
+    struct kvs_ocl_buf *x = NULL, *out = NULL;
+    kvs_err e;
+    if ((e = kvs_ocl_alloc(c, bytes, &x, errbuf, errlen)) || (e = kvs_ocl_alloc(c, items * 4, &out, errbuf, errlen)))
+        goto done;
+    kvs_ocl_zero(c, x, 0, bytes);
+    if ((e = kvs_ocl_finish(c))) goto fail;
+    const int n4 = (int)(bytes / 16);
+    double best = 1e30;
+    for (int rep = 0; rep < 4; rep++) { /* the first pass warms up (kernel compile caches, page mapping) */
+        ARG_MEM(K_BW_READ, 0, x);
+        ARG_MEM(K_BW_READ, 1, out);
+        ARG_VAL(K_BW_READ, 2, cl_int, n4);
+        const double t0 = now_s();
+        note(c, clEnqueueNDRangeKernel(c->q, c->k[K_BW_READ], 1, NULL, &items, &L, 0, NULL, NULL), "bw_read");
+        if ((e = kvs_ocl_finish(c))) goto fail;
+        const double dt = now_s() - t0;
+        if (rep && dt < best) best = dt;
+    }
+    *read_gbps = (double)bytes / best / 1e9;
+    const int iters = 4096;
+    best = 1e30;
+    for (int rep = 0; rep < 3; rep++) {
+        ARG_MEM(K_FLOPS, 0, out);
+        ARG_VAL(K_FLOPS, 1, cl_int, iters);
+        const double t0 = now_s();
+        note(c, clEnqueueNDRangeKernel(c->q, c->k[K_FLOPS], 1, NULL, &items, NULL, 0, NULL, NULL), "flops");
+        if ((e = kvs_ocl_finish(c))) goto fail;
+        const double dt = now_s() - t0;
+        if (rep && dt < best) best = dt;
+    }
+    *gflops = (double)items * iters * 16.0 / best / 1e9;
+    goto done;
+fail:
+    set_err(errbuf, errlen, "%s", kvs_ocl_last_error(c));
+done:
+    kvs_ocl_free(x);
+    kvs_ocl_free(out);
+    return e;
 }

@@ -81,6 +81,13 @@ kvs_err kvs_ocl_zero(struct kvs_ocl *c, struct kvs_ocl_buf *b, size_t offset, si
 kvs_err kvs_ocl_finish(struct kvs_ocl *c);
 const char *kvs_ocl_last_error(const struct kvs_ocl *c);
 
+/* Measures the device: read bandwidth (GB/s, a bytes-sized buffer, capped at
+ * the largest allocation, summed by every compute unit; best of 3 after a
+ * warm-up) and multiply-add throughput (GFLOP/s, 2 FLOPs per multiply-add;
+ * an upper bound, no matmul). Errors: KVS_ERR_NOMEM, KVS_ERR_INTERNAL. */
+kvs_err kvs_ocl_measure(struct kvs_ocl *c, size_t bytes, double *read_gbps, double *gflops, char *errbuf,
+                        size_t errlen);
+
 /* --- operations (enqueued; the first failure is kept for kvs_ocl_finish) --- */
 
 /* A weight on the device: N rows of K values of `type`, row_bytes apart

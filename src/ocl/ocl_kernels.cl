@@ -401,3 +401,31 @@ __kernel void moe_sum(const __global float *ys, const __global float *w, __globa
     }
     o[it] = acc;
 }
+
+/* --- device measurement (kvasir bench --probe, bench_ocl) ------------------- */
+
+/* Reads n float4 values: each group a contiguous share, its items
+ * interleaved within it (coalesced on GPUs, streaming on CPUs); one sum per item. */
+__kernel void bw_read(const __global float4 *x, __global float *out, const int n)
+{
+    const int grp = (int)get_group_id(0), ng = (int)get_num_groups(0);
+    const int lid = (int)get_local_id(0), L = (int)get_local_size(0);
+    const int per = (n + ng - 1) / ng, i0 = grp * per, i1 = min(n, i0 + per);
+    float4 s = (float4)(0.0f);
+    for (int i = i0 + lid; i < i1; i += L) s += x[i];
+    out[get_global_id(0)] = s.x + s.y + s.z + s.w;
+}
+
+/* iters x 8 independent multiply-adds per item (16 FLOPs each). */
+__kernel void flops(__global float *out, const int iters)
+{
+    const int g = (int)get_global_id(0);
+    float a0 = g * 1e-7f, a1 = a0 + 1e-7f, a2 = a0 + 2e-7f, a3 = a0 + 3e-7f;
+    float a4 = a0 + 4e-7f, a5 = a0 + 5e-7f, a6 = a0 + 6e-7f, a7 = a0 + 7e-7f;
+    const float b = 0.999999f, c = 1e-7f;
+    for (int it = 0; it < iters; it++) {
+        a0 = a0 * b + c; a1 = a1 * b + c; a2 = a2 * b + c; a3 = a3 * b + c;
+        a4 = a4 * b + c; a5 = a5 * b + c; a6 = a6 * b + c; a7 = a7 * b + c;
+    }
+    out[g] = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7;
+}
