@@ -120,7 +120,7 @@ int kvs_cli_stage(int argc, char **argv)
     bool prev_set = false, next_set = false, auth_all = false;
     long rank = -1, lv = 0, api = 0;
     /* flags given on the command line override the manifest's targets */
-    bool ctx_set = false, seqs_set = false, boundary_set = false;
+    bool ctx_set = false, seqs_set = false, boundary_set = false, backend_set = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -146,7 +146,7 @@ int kvs_cli_stage(int argc, char **argv)
             return 2;
         }
         int bad = 0, be = p.backend, dev = p.device;
-        if (kvs_cli_backend_opt(a, v, &be, &dev, &bad)) p.backend = be, p.device = dev;
+        if (kvs_cli_backend_opt(a, v, &be, &dev, &bad)) p.backend = be, p.device = dev, backend_set = true;
         else if (!strcmp(a, "-m") || !strcmp(a, "--model")) p.model_path = v;
         else if (!strcmp(a, "--window")) window = v;
         else if (!strcmp(a, "--listen")) p.listen = v;
@@ -236,6 +236,7 @@ int kvs_cli_stage(int argc, char **argv)
         if (ctx_set) p.n_ctx = cli.n_ctx;
         if (seqs_set) p.n_seq = cli.n_seq;
         if (boundary_set) p.boundary_f32 = cli.boundary_f32;
+        if (backend_set) p.backend = cli.backend, p.device = cli.device;
         if (e) {
             if (e == KVS_ERR_NOT_FOUND)
                 fprintf(stderr, "kvasir stage: rank %ld is not in %s (%zu ranks)\n", rank, manifest, man->n_ranks);

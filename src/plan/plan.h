@@ -248,6 +248,7 @@ struct kvs_manifest_rank {
     char listen[KVS_PLAN_ADDR_MAX];
     char next[KVS_PLAN_ADDR_MAX];
     uint32_t threads;
+    enum kvs_plan_backend backend; /* "backend" (cpu if absent): the stage's compute backend */
     char key[KVS_PLAN_KEY_MAX]; /* the rank's node public key (64 lowercase hex digits), "" if absent */
 };
 struct kvs_manifest {

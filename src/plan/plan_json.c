@@ -519,6 +519,16 @@ kvs_err kvs_manifest_parse(const char *text, size_t len, struct kvs_manifest *mf
             kvs_plan_seterr(errbuf, errlen, "manifest: ranks[%zu].device must be a string", i);
             goto out;
         }
+        char be[16];
+        r->backend = KVS_PLAN_BACKEND_CPU;
+        if (!opt_str(o, "backend", be, sizeof be)) be[0] = '?';
+        for (int bi = 0; be[0] && bi < KVS_PLAN_BACKEND_COUNT_; bi++)
+            if (!strcmp(be, backend_names[bi])) r->backend = (enum kvs_plan_backend)bi, be[0] = '\0';
+        if (be[0]) {
+            kvs_plan_seterr(errbuf, errlen,
+                            "manifest: ranks[%zu].backend must be one of cpu, cuda, metal, vulkan, opencl, npu", i);
+            goto out;
+        }
         r->threads = 1;
         if (thr) {
             if (!json_is_integer(thr) || json_integer_value(thr) < 1 || json_integer_value(thr) > 4096) {

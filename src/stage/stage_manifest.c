@@ -15,6 +15,9 @@ kvs_err kvs_stage_params_from_manifest(const struct kvs_manifest *mf, int32_t ra
     p->listen = k->listen;
     p->next = k->next;
     if (k->threads > 0) p->n_threads = (int32_t)k->threads;
+    /* the device's backend from the inventory (kvasir bench --probe --backend opencl); the
+     * others have no implementation here: such a rank computes on the CPU */
+    p->backend = k->backend == KVS_PLAN_BACKEND_OPENCL ? 1 : 0;
     /* the serving targets the plan was made for (docs/MANIFEST.md) */
     if (mf->ctx > 0) p->n_ctx = (int32_t)mf->ctx;
     if (mf->seqs > 0) p->n_seq = (int32_t)mf->seqs;

@@ -48,7 +48,22 @@ for name in llama-f32 llama-q4_k_m qwen3-q8_0 qwen3moe-mixed; do
   echo "ok: $name: OpenCL ring of 2 == single OpenCL process"
 done
 
-# 3. start-up errors
+# 3. bench --probe --backend opencl -> inventory -> plan -> stage --manifest runs on OpenCL
+"$BIN" bench --probe --backend opencl --mib 16 --name gpu0 --addr "$A0" >"$tmp/entry.json" 2>"$tmp/probe.log" ||
+  fail "bench --probe --backend opencl"
+grep -q "OpenCL device 0: " "$tmp/probe.log" || fail "bench --probe did not list the OpenCL devices"
+grep -q '"backend": "opencl"' "$tmp/entry.json" || fail "probe entry: $(cat "$tmp/entry.json")"
+printf '{"devices": [%s]}\n' "$(cat "$tmp/entry.json")" >"$tmp/dev.json"
+"$BIN" plan -m "$M" --devices "$tmp/dev.json" --ctx 96 --seqs 2 -o "$tmp/man.json" >/dev/null 2>"$tmp/plan.log" ||
+  fail "plan over the probed OpenCL device"
+grep -q '"backend": "opencl"' "$tmp/man.json" || fail "the manifest lost the backend"
+got=$(timeout 30 "$BIN" stage --manifest "$tmp/man.json" --rank 0 --insecure -p "Once upon a time" -n 60 --temp 0 \
+  2>"$tmp/man-stage.log") || fail "stage --manifest on OpenCL"
+[[ "$got" == "$want" ]] || fail "stage --manifest (opencl): [$got]"
+grep -q "OpenCL device 0" "$tmp/man-stage.log" || fail "the manifest's opencl rank ran on the CPU"
+echo "ok: probe -> plan -> stage --manifest runs the rank on OpenCL"
+
+# 4. start-up errors
 mkdir "$tmp/no-icd"
 out=$(OCL_ICD_VENDORS=$tmp/no-icd timeout 20 "$BIN" run -m "$M" -p "Once" -n 4 --temp 0 --backend opencl 2>&1); rc=$?
 [[ $rc == 1 ]] && grep -q "no OpenCL platform found" <<<"$out" || fail "no platform: rc $rc, [$out]"
