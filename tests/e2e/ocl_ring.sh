@@ -7,7 +7,8 @@
 #   output token for token;
 # - no OpenCL platform, a device index past the last, qwen35 blocks, a bad
 #   --backend: clear start-up errors, and the CPU backend still runs without
-#   any platform.
+#   any platform;
+# - bench --probe --backend opencl -> plan -> stage --manifest, and serve, on OpenCL.
 set -uo pipefail
 BIN=${KVASIR_BIN:?}
 D=${KVASIR_SHARED:?}/models
@@ -22,7 +23,7 @@ cleanup() {
 }
 trap cleanup EXIT
 fail() { echo "FAIL: $*"; for f in "$tmp"/*.log; do [ -f "$f" ] && { echo "== $f"; tail -15 "$f"; }; done; exit 1; }
-base=$((30000 + ($$ % 300) * 100))
+base=$((12000 + ($$ % 80) * 100))  # below the ephemeral range (32768+), away from the 20000+ tests
 A0=127.0.0.1:$base A1=127.0.0.1:$((base + 1)) A2=127.0.0.1:$((base + 2))
 
 # 1. CPU head [0,1), OpenCL middle [1,3), CPU tail [3,4)
@@ -63,7 +64,20 @@ got=$(timeout 30 "$BIN" stage --manifest "$tmp/man.json" --rank 0 --insecure -p 
 grep -q "OpenCL device 0" "$tmp/man-stage.log" || fail "the manifest's opencl rank ran on the CPU"
 echo "ok: probe -> plan -> stage --manifest runs the rank on OpenCL"
 
-# 4. start-up errors
+# 4. serve --backend opencl answers the API from the device
+PS=$((base + 50))
+"$BIN" serve -m "$M" --port "$PS" --backend opencl 2>"$tmp/serve.log" &
+spid=$!
+pids+=($spid)
+for ((t = 0; t < 100; t++)); do curl -sf "http://127.0.0.1:$PS/health" >/dev/null && break; sleep 0.1; done
+resp=$(curl -s --max-time 30 "http://127.0.0.1:$PS/v1/completions" \
+  -d '{"prompt": "Once upon a time", "max_tokens": 20, "temperature": 0}')
+grep -qF '"text":", pixels unfolding like petals. Classific"' <<<"$resp" || fail "serve on OpenCL: $resp"
+grep -q "OpenCL device 0" "$tmp/serve.log" || fail "serve did not run on OpenCL"
+kill "$spid"; wait "$spid" 2>/dev/null
+echo "ok: serve --backend opencl"
+
+# 5. start-up errors
 mkdir "$tmp/no-icd"
 out=$(OCL_ICD_VENDORS=$tmp/no-icd timeout 20 "$BIN" run -m "$M" -p "Once" -n 4 --temp 0 --backend opencl 2>&1); rc=$?
 [[ $rc == 1 ]] && grep -q "no OpenCL platform found" <<<"$out" || fail "no platform: rc $rc, [$out]"
