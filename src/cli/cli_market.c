@@ -18,7 +18,7 @@ static void market_usage(FILE *f)
 {
     fprintf(f, "usage: kvasir market --listen HOST:PORT --db market.sqlite [--lease-ms MS] [--max-body BYTES]\n"
                "       kvasir market add --market URL --url MODEL_URL [--name NAME] [--index INDEX_URL] [--rings N]\n"
-               "                         [--ctx N] [--seqs S] [--boundary f16|f32]\n"
+               "                         [--ctx N] [--seqs S] [--boundary f32|f16]\n"
                "  the service: listings, claims with leases, GET /map (JSON), GET / (the map page), GET /v1/rings\n"
                "  --lease-ms MS    lease of a claim and of each renewal (default %d; tests use short ones)\n"
                "  --max-body BYTES request body cap (default %u; larger bodies get 413)\n"

@@ -22,7 +22,11 @@ static void plan_usage(FILE *f)
                "  --devices PATH       device inventory JSON (docs/PLAN.md)\n"
                "  --ctx N              context tokens per sequence (default min(model's, 4096))\n"
                "  --seqs S             concurrent sequences (default 1)\n"
-               "  --boundary f16|f32   boundary precision between stages (default f16)\n"
+               "  --boundary auto|f32|f16  boundary precision between stages (default auto: f32, the ring's\n"
+               "                       output bit-identical to one process, except f16 on a link too slow for\n"
+               "                       f32: one decode boundary in f32 takes > --f16-above-ms to send)\n"
+               "  --f16-above-ms X     auto: the link time of an f32 decode boundary above which an edge goes\n"
+               "                       f16 (default 5)\n"
                "  --block-overhead-ms X  fixed cost per block per token (default 0.02)\n"
                "  -o, --out PATH       manifest to write (default: print it to stdout, the table to stderr)\n"
                "  --relay-secret FILE  the relay's secret (docs/RELAY.md): mints the edge tokens of the edges of\n"
@@ -92,10 +96,20 @@ int kvs_cli_plan(int argc, char **argv)
                 t.boundary_bytes = 2;
             else if (!strcmp(v, "f32"))
                 t.boundary_bytes = 4;
+            else if (!strcmp(v, "auto"))
+                t.boundary_bytes = 0;
             else {
-                fprintf(stderr, "kvasir plan: --boundary must be f16 or f32\n");
+                fprintf(stderr, "kvasir plan: --boundary must be auto, f32 or f16\n");
                 return 2;
             }
+        } else if (!strcmp(a, "--f16-above-ms")) {
+            char *end;
+            double x = strtod(v, &end);
+            if (end == v || *end || !(x >= 0) || x > 1e9) {
+                fprintf(stderr, "kvasir plan: --f16-above-ms must be a number >= 0\n");
+                return 2;
+            }
+            t.f16_above_ms = x;
         } else if (!strcmp(a, "--block-overhead-ms")) {
             char *end;
             double x = strtod(v, &end);
@@ -212,16 +226,16 @@ int kvs_cli_plan(int argc, char **argv)
      * stderr when the manifest itself goes to stdout (so it stays valid JSON). */
     FILE *tf = outp ? stdout : stderr;
     fprintf(tf, "model: %s  blocks %u  ctx %u  seqs %u  boundary %s\n", model ? model : url, m->n_block, t.ctx, t.seqs,
-           t.boundary_bytes == 4 ? "f32" : "f16");
-    fprintf(tf, "%-4s %-20s %-9s %6s %10s %9s %10s %8s\n", "rank", "device", "window", "blocks", "weights GB", "KV GB",
-           "ms/token", "hop ms");
+           t.boundary_bytes == 4 ? "f32" : t.boundary_bytes == 2 ? "f16" : "auto");
+    fprintf(tf, "%-4s %-20s %-9s %6s %10s %9s %10s %8s %s\n", "rank", "device", "window", "blocks", "weights GB",
+           "KV GB", "ms/token", "hop ms", "out");
     for (size_t r = 0; r < res->n_ranks; r++) {
         const struct kvs_plan_rank *rk = &res->ranks[r];
         char win[32];
         snprintf(win, sizeof win, "[%u,%u)", rk->begin, rk->end);
-        fprintf(tf, "%-4zu %-20s %-9s %6u %10.3f %9.3f %10.3f %8.3f\n", r, inv->devices[rk->device].name, win,
+        fprintf(tf, "%-4zu %-20s %-9s %6u %10.3f %9.3f %10.3f %8.3f %s\n", r, inv->devices[rk->device].name, win,
                rk->end - rk->begin, (double)rk->weights_bytes / 1e9, (double)rk->kv_bytes / 1e9, rk->compute_ms,
-               rk->hop_ms);
+               rk->hop_ms, r + 1 == res->n_ranks ? "token" : rk->boundary_bytes == 2 ? "f16" : "f32");
     }
     for (size_t i = 0; i < inv->n_devices; i++) {
         bool used = false;

@@ -407,11 +407,10 @@ static void ring_usage(FILE *f)
                "                       (newlines in TEXT as \\n) or \"#i error MESSAGE\"\n"
                "  --parallel P         prompts in flight at once (default 1)\n"
                "  --seqs S             sequence slots per stage (default max(4, P))\n"
-               "  --boundary f16|f32   boundary precision on the links (default f16: 2 bytes per value,\n"
-               "                       half the traffic). F16 rounds the hidden state at every hop, so\n"
-               "                       greedy output can differ from a single process where the top\n"
-               "                       logits are close (typical of random-weight test models); f32 is\n"
-               "                       bit-identical to a single process (docs/PROTOCOL.md section 5)\n"
+               "  --boundary f32|f16   boundary precision on the links (default f32: the ring's output is\n"
+               "                       bit-identical to a single process). f16 halves the traffic but\n"
+               "                       rounds the hidden state at every hop, so greedy output can differ\n"
+               "                       where the top logits are close (docs/PROTOCOL.md section 5)\n"
                "  --insecure           plaintext links (default: throw-away node keys, TLS on every link)\n"
                "  --replay-deadline S  a stage that dies is restarted; meanwhile requests in flight are held\n"
                "                       and replayed once the ring is whole again; they fail after S seconds\n"
@@ -455,7 +454,7 @@ int kvs_cli_run_ring(int argc, char **argv)
     const char *model = NULL;
     long ring = 0, threads = 0, n_ctx = 0, seqs = 0, delay = 0; /* threads 0: the cores shared by the stages */
     float replay_s = KVS_STAGE_REPLAY_DEADLINE_MS / 1000.0f;
-    bool f32 = false, insecure = false;
+    bool f32 = true, insecure = false;
     int backend = 0, device = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];

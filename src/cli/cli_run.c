@@ -47,7 +47,7 @@ static void run_usage(FILE *f)
                "  --ignore-eos         do not stop at end-of-generation tokens\n"
                "  --ring N             run as a local ring of N stage processes on loopback; with\n"
                "                       --ring, also --prompts FILE, --parallel P, --seqs S and\n"
-               "                       --boundary f16|f32 (`kvasir run --ring 2 --help` explains them)\n");
+               "                       --boundary f32|f16 (`kvasir run --ring 2 --help` explains them)\n");
     fputs(KVS_CLI_BACKEND_HELP, f);
     fputs(KVS_CLI_MODEL_URL_HELP, f);
 }

@@ -38,7 +38,7 @@ static void serve_usage(FILE *f)
                "  --threads T          compute threads per stage (default: the cores this process may use / N)\n"
                "  --ctx N              context length (default min(model's, 4096))\n"
                "  --seqs S             sequence slots per stage (default 4)\n"
-               "  --boundary f16|f32   boundary precision on the links (default f16)\n"
+               "  --boundary f32|f16   boundary precision on the links (default f32; f16 halves the traffic)\n"
                "  --replay-deadline S  when the ring breaks (a stage that died is restarted), hold\n"
                "                       requests in flight (streams pause) and replay them once it is whole again; fail them after S seconds (default 30;\n"
                "                       0: fail at once; docs/PROTOCOL.md 5.1)\n"
@@ -69,7 +69,7 @@ int kvs_cli_serve(int argc, char **argv)
 {
     const char *model = NULL, *host = "127.0.0.1", *name = NULL, *chat_template = NULL;
     long ring = 1, port = 8080, threads = 0, n_ctx = 0, seqs = 4, max_body = 1 << 20, delay = 0, max_conn = 64;
-    bool f32 = false, insecure = false, auth_all = false, chat_special = false;
+    bool f32 = true, insecure = false, auth_all = false, chat_special = false;
     const char *api_key = NULL, *api_key_file = NULL;
     long per_addr = 16, req_timeout = 30;
     float replay_s = KVS_STAGE_REPLAY_DEADLINE_MS / 1000.0f;

@@ -132,7 +132,7 @@ kvs_err kvs_market_parse_listing(const char *text, size_t len, struct kvs_market
     json_t *o;
     kvs_err e = load_object(text, len, &o, errbuf, errlen);
     if (e) return e;
-    char boundary[8] = "f16";
+    char boundary[8] = "f32";
     if ((e = get_str(o, "url", true, r->url, sizeof r->url, errbuf, errlen)) ||
         (e = get_str(o, "name", false, r->name, sizeof r->name, errbuf, errlen)) ||
         (e = get_str(o, "index", false, r->index, sizeof r->index, errbuf, errlen)) ||
@@ -395,7 +395,7 @@ static kvs_err parse_listing(json_t *o, struct kvs_market_listing *l, char *errb
     l->ctx = get_u64(o, "ctx", 16777216, &v) ? (uint32_t)v : 0;
     l->seqs = get_u64(o, "seqs", 4096, &v) && v ? (uint32_t)v : 4;
     const char *b = json_string_value(json_object_get(o, "boundary"));
-    l->boundary_f32 = b && !strcmp(b, "f32");
+    l->boundary_f32 = !b || strcmp(b, "f16"); /* f32 unless the listing says f16 */
     json_t *d = json_object_get(o, "demand");
     l->demand = json_is_number(json_object_get(d, "value")) ? json_number_value(json_object_get(d, "value")) : 1.0;
     l->profile = malloc(sizeof *l->profile);

@@ -152,20 +152,31 @@ kvs_err kvs_plan_inventory_load(const char *path, struct kvs_plan_inventory *inv
 struct kvs_plan_targets {
     uint32_t ctx;               /* tokens of context per sequence */
     uint32_t seqs;              /* concurrent sequences (KV is ctx * seqs tokens) */
-    uint32_t boundary_bytes;    /* bytes per boundary value: 2 (f16) or 4 (f32) */
+    uint32_t boundary_bytes;    /* bytes per boundary value on every edge: 4 (f32) or 2 (f16);
+                                   0 = auto: f32 except on edges too slow for it
+                                   (kvs_plan_edge_boundary_bytes) */
+    double f16_above_ms;        /* auto: an edge whose f32 decode boundary takes longer than this
+                                   to transmit (n_embd * 4 * 8 / bandwidth, ms) goes f16 */
     uint32_t ubatch;            /* tokens per prefill micro-batch (sizes work buffers) */
     double block_overhead_ms;   /* fixed cost per block per token */
     uint32_t token_bytes;       /* bytes of the tail->head hop (a token id): 4 */
     uint64_t exhaustive_limit;  /* work units (orders x (n+1)^2 x k^2) below which every
                                    ring order is tried */
 };
-/* ctx 4096, seqs 1, f16 boundary, ubatch 512, 0.02 ms per block, token 4 bytes,
- * exhaustive_limit 2e8. */
+/* ctx 4096, seqs 1, auto boundary (f16 above 5 ms), ubatch 512, 0.02 ms per
+ * block, token 4 bytes, exhaustive_limit 2e8. */
 struct kvs_plan_targets kvs_plan_default_targets(void);
 
 /* The default context of a plan, as for `kvasir run` / `serve` / `stage`:
  * min(m->ctx_train, 4096), or 4096 when the model does not say (ctx_train 0). */
 uint32_t kvs_plan_default_ctx(const struct kvs_plan_model *m);
+
+/* Bytes per boundary value on the edge x -> y: t->boundary_bytes when it is 4
+ * or 2; auto (0): 2 when n_embd * 4 bytes take longer than t->f16_above_ms to
+ * transmit at min(bandwidth of x, y), else 4 (F16 rounds the hidden state, so
+ * a ring with an f16 edge may differ from one process: docs/PLAN.md). */
+uint32_t kvs_plan_edge_boundary_bytes(const struct kvs_plan_model *m, const struct kvs_plan_targets *t,
+                                      const struct kvs_plan_device *x, const struct kvs_plan_device *y);
 
 /* Work-buffer bytes a stage needs besides weights and KV (per device):
  * ubatch * n_embd * 4 bytes * 8 (activations, F32), plus on the tail
@@ -181,6 +192,8 @@ struct kvs_plan_rank {
     uint64_t buffer_bytes;      /* work buffers (kvs_plan_buffer_bytes) */
     double compute_ms;          /* per decode token */
     double hop_ms;              /* to the next rank (tail: token id to rank 0); 0 if alone */
+    uint32_t boundary_bytes;    /* of the boundaries this rank sends to the next: 4 (f32) or 2 (f16);
+                                   the tail (it sends token ids) and a lone rank: 4 */
 };
 
 struct kvs_plan_result {
@@ -250,6 +263,7 @@ struct kvs_manifest_rank {
     uint32_t threads;
     enum kvs_plan_backend backend; /* "backend" (cpu if absent): the stage's compute backend */
     char key[KVS_PLAN_KEY_MAX]; /* the rank's node public key (64 lowercase hex digits), "" if absent */
+    uint32_t boundary_bytes;    /* ranks[i].boundary (its out link): 2 ("f16") or 4 ("f32"), 0 if absent */
 };
 struct kvs_manifest {
     char model_path[1024];      /* "" if null */
@@ -258,7 +272,7 @@ struct kvs_manifest {
     uint32_t n_block;
     uint32_t ctx;               /* targets.ctx (1..16777216), 0 if "targets" is absent */
     uint32_t seqs;              /* targets.seqs (1..4096), 0 if absent */
-    uint32_t boundary_bytes;    /* targets.boundary: 2 ("f16") or 4 ("f32"), 0 if absent */
+    uint32_t boundary_bytes;    /* targets.boundary: 2 ("f16"), 4 ("f32"), 0 if "auto" or absent */
     size_t n_ranks;
     struct kvs_manifest_rank ranks[KVS_PLAN_MAX_DEVICES];
 };
@@ -267,7 +281,7 @@ struct kvs_manifest {
  * order, windows contiguous and covering [0, n_block), each rank's next equal
  * to the following rank's listen (the last rank's to rank 0's), and, when
  * "targets" is present, ctx in 1..16777216, seqs in 1..4096 and boundary
- * "f16" or "f32". Errors: KVS_ERR_FORMAT (message names the field),
+ * "f16", "f32" or "auto"; ranks[i].boundary, when present, "f16" or "f32". Errors: KVS_ERR_FORMAT (message names the field),
  * KVS_ERR_UNSUPPORTED (other version), KVS_ERR_RANGE (windows, targets out of
  * range). */
 kvs_err kvs_manifest_parse(const char *text, size_t len, struct kvs_manifest *mf, char *errbuf, size_t errlen);

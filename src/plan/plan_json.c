@@ -324,7 +324,8 @@ kvs_err kvs_plan_manifest_json(const struct kvs_plan_model *m, const struct kvs_
     model = NULL;
     json_object_set_new(targ, "ctx", json_integer(t->ctx));
     json_object_set_new(targ, "seqs", json_integer(t->seqs));
-    json_object_set_new(targ, "boundary", json_string(t->boundary_bytes == 4 ? "f32" : "f16"));
+    json_object_set_new(targ, "boundary",
+                        json_string(t->boundary_bytes == 4 ? "f32" : t->boundary_bytes == 2 ? "f16" : "auto"));
     json_object_set_new(root, "targets", targ);
     targ = NULL;
     for (size_t r = 0; r < res->n_ranks; r++) {
@@ -352,6 +353,7 @@ kvs_err kvs_plan_manifest_json(const struct kvs_plan_model *m, const struct kvs_
         json_object_set_new(o, "next", json_string(next));
         json_object_set_new(o, "threads", json_integer(d->threads ? d->threads : 1));
         json_object_set_new(o, "key", d->key[0] ? json_string(d->key) : json_null());
+        json_object_set_new(o, "boundary", json_string(rk->boundary_bytes == 2 ? "f16" : "f32"));
         json_object_set_new(o, "weights_bytes", json_integer((json_int_t)rk->weights_bytes));
         json_object_set_new(o, "kv_bytes", json_integer((json_int_t)rk->kv_bytes));
         json_object_set_new(o, "buffer_bytes", json_integer((json_int_t)rk->buffer_bytes));
@@ -466,13 +468,14 @@ kvs_err kvs_manifest_parse(const char *text, size_t len, struct kvs_manifest *mf
             err = json_is_integer(seqs) ? KVS_ERR_RANGE : KVS_ERR_FORMAT;
             goto out;
         }
-        if (!json_is_string(bnd) || (strcmp(json_string_value(bnd), "f16") && strcmp(json_string_value(bnd), "f32"))) {
-            kvs_plan_seterr(errbuf, errlen, "manifest: targets.boundary must be \"f16\" or \"f32\"");
+        if (!json_is_string(bnd) || (strcmp(json_string_value(bnd), "f16") && strcmp(json_string_value(bnd), "f32") &&
+                                     strcmp(json_string_value(bnd), "auto"))) {
+            kvs_plan_seterr(errbuf, errlen, "manifest: targets.boundary must be \"f16\", \"f32\" or \"auto\"");
             goto out;
         }
         mf->ctx = (uint32_t)json_integer_value(ctx);
         mf->seqs = (uint32_t)json_integer_value(seqs);
-        mf->boundary_bytes = strcmp(json_string_value(bnd), "f32") ? 2 : 4;
+        mf->boundary_bytes = !strcmp(json_string_value(bnd), "f32") ? 4 : !strcmp(json_string_value(bnd), "f16") ? 2 : 0;
     }
     json_t *ranks = json_object_get(root, "ranks");
     if (!json_is_array(ranks) || json_array_size(ranks) == 0 || json_array_size(ranks) > KVS_PLAN_MAX_DEVICES) {
@@ -540,6 +543,14 @@ kvs_err kvs_manifest_parse(const char *text, size_t len, struct kvs_manifest *mf
         if (!opt_key(json_object_get(o, "key"), r->key)) {
             kvs_plan_seterr(errbuf, errlen, "manifest: ranks[%zu].key must be a node public key: 64 hex digits", i);
             goto out;
+        }
+        json_t *rb = json_object_get(o, "boundary");
+        if (rb && !json_is_null(rb)) {
+            if (!json_is_string(rb) || (strcmp(json_string_value(rb), "f16") && strcmp(json_string_value(rb), "f32"))) {
+                kvs_plan_seterr(errbuf, errlen, "manifest: ranks[%zu].boundary must be \"f16\" or \"f32\"", i);
+                goto out;
+            }
+            r->boundary_bytes = strcmp(json_string_value(rb), "f32") ? 2 : 4;
         }
         mf->n_ranks = i + 1;
     }

@@ -31,7 +31,8 @@ struct kvs_plan_targets kvs_plan_default_targets(void)
     struct kvs_plan_targets t = {
         .ctx = 4096,
         .seqs = 1,
-        .boundary_bytes = 2,
+        .boundary_bytes = 0,
+        .f16_above_ms = 5.0,
         .ubatch = 512,
         .block_overhead_ms = 0.02,
         .token_bytes = 4,
@@ -166,6 +167,16 @@ double kvs_plan_hop_ms(const struct kvs_plan_inventory *inv, const struct kvs_pl
     return rtt / 2.0 + (double)bytes * 8.0 / (bw * 1e3);
 }
 
+uint32_t kvs_plan_edge_boundary_bytes(const struct kvs_plan_model *m, const struct kvs_plan_targets *t,
+                                      const struct kvs_plan_device *x, const struct kvs_plan_device *y)
+{
+    if (t->boundary_bytes)
+        return t->boundary_bytes;
+    double bw = x->bandwidth_mbps < y->bandwidth_mbps ? x->bandwidth_mbps : y->bandwidth_mbps;
+    double f32_ms = (double)m->n_embd * 4.0 * 8.0 / (bw * 1e3);
+    return f32_ms > t->f16_above_ms ? 2 : 4;
+}
+
 static kvs_err check_args(const struct kvs_plan_model *m, const struct kvs_plan_inventory *inv,
                           const struct kvs_plan_targets *t, char *errbuf, size_t errlen)
 {
@@ -178,7 +189,8 @@ static kvs_err check_args(const struct kvs_plan_model *m, const struct kvs_plan_
                         KVS_PLAN_MAX_DEVICES);
         return KVS_ERR_ARG;
     }
-    if (t->ctx == 0 || t->seqs == 0 || (t->boundary_bytes != 2 && t->boundary_bytes != 4) ||
+    if (t->ctx == 0 || t->seqs == 0 || (t->boundary_bytes != 0 && t->boundary_bytes != 2 && t->boundary_bytes != 4) ||
+        (t->boundary_bytes == 0 && !(t->f16_above_ms >= 0)) ||
         !(t->block_overhead_ms >= 0) || !(inv->relay_rtt_ms >= 0)) {
         kvs_plan_seterr(errbuf, errlen, "bad targets (ctx %u, seqs %u, boundary %u bytes)", t->ctx, t->seqs,
                         t->boundary_bytes);
@@ -232,12 +244,14 @@ double kvs_plan_evaluate(const struct kvs_plan_model *m, const struct kvs_plan_i
         rk->kv_bytes = win_kv(m, &p, t, rk->begin, rk->end);
         rk->buffer_bytes = kvs_plan_buffer_bytes(m, t, rk->end == m->n_block);
         rk->compute_ms = win_compute(m, &p, t, d, rk->begin, rk->end);
+        rk->boundary_bytes = 4;
         if (n_ranks == 1)
             rk->hop_ms = 0;
-        else if (i + 1 < n_ranks)
-            rk->hop_ms = kvs_plan_hop_ms(inv, d, &inv->devices[ranks[i + 1].device],
-                                         (uint64_t)m->n_embd * t->boundary_bytes);
-        else
+        else if (i + 1 < n_ranks) {
+            const struct kvs_plan_device *dn = &inv->devices[ranks[i + 1].device];
+            rk->boundary_bytes = kvs_plan_edge_boundary_bytes(m, t, d, dn);
+            rk->hop_ms = kvs_plan_hop_ms(inv, d, dn, (uint64_t)m->n_embd * rk->boundary_bytes);
+        } else
             rk->hop_ms = kvs_plan_hop_ms(inv, d, &inv->devices[ranks[0].device], t->token_bytes);
         total += rk->compute_ms + rk->hop_ms;
         if (rk->compute_ms > max_stage)
@@ -286,11 +300,11 @@ static double dp_order(struct dp *dp, const struct kvs_plan_model *m, const stru
         PJ(dp, 0, b) = -1;
         PB(dp, 0, b) = 0;
     }
-    const uint64_t boundary = (uint64_t)m->n_embd * t->boundary_bytes;
     for (size_t jn = 1; jn < k; jn++) {
         const struct kvs_plan_device *dn = &inv->devices[order[jn]];
         for (size_t j = 0; j < jn; j++) {
-            double hop = kvs_plan_hop_ms(inv, &inv->devices[order[j]], dn, boundary);
+            const struct kvs_plan_device *dj = &inv->devices[order[j]];
+            double hop = kvs_plan_hop_ms(inv, dj, dn, (uint64_t)m->n_embd * kvs_plan_edge_boundary_bytes(m, t, dj, dn));
             for (uint32_t b = 1; b < n; b++) {
                 double base = G(dp, j, b);
                 if (base == INFINITY)

@@ -19,7 +19,7 @@
 struct kvs_stage_params kvs_stage_default_params(void)
 {
     return (struct kvs_stage_params){ .block_begin = 0, .block_end = -1, .n_threads = 2, .n_seq = 4,
-                                      .n_batch = 512, .timeout_ms = 4000, .keepalive_ms = 1000,
+                                      .n_batch = 512, .boundary_f32 = true, .timeout_ms = 4000, .keepalive_ms = 1000,
                                       .stop_fd = -1 };
 }
 

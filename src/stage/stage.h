@@ -55,7 +55,7 @@ struct kvs_stage_params {
     int32_t n_ctx;            /* positions per sequence, 0 = model default; all stages must agree */
     int32_t n_seq;            /* sequence slots (default 4) */
     int32_t n_batch;          /* most tokens per forward and per PREFILL frame (default 512); all stages must agree */
-    bool boundary_f32;        /* send boundaries as F32 instead of F16 */
+    bool boundary_f32;        /* send boundaries as F32 (the default) instead of F16 */
     int32_t timeout_ms;       /* in-link silence / ring probe timeout (default 4000) */
     int32_t keepalive_ms;     /* keepalive and probe period (default 1000) */
     int32_t step_delay_ms;    /* test hook: sleep before every forward (default 0) */

@@ -21,7 +21,9 @@ kvs_err kvs_stage_params_from_manifest(const struct kvs_manifest *mf, int32_t ra
     /* the serving targets the plan was made for (docs/MANIFEST.md) */
     if (mf->ctx > 0) p->n_ctx = (int32_t)mf->ctx;
     if (mf->seqs > 0) p->n_seq = (int32_t)mf->seqs;
-    if (mf->boundary_bytes) p->boundary_f32 = mf->boundary_bytes == 4;
+    /* the precision of this rank's out link: its own field, else the targets', else f32 */
+    uint32_t bb = k->boundary_bytes ? k->boundary_bytes : mf->boundary_bytes;
+    p->boundary_f32 = bb != 2;
     /* a keyed manifest (every rank has one, docs/MANIFEST.md): the neighbours' keys */
     const char *pk = mf->ranks[(rank + mf->n_ranks - 1) % mf->n_ranks].key;
     const char *nk = mf->ranks[(rank + 1) % mf->n_ranks].key;

@@ -77,6 +77,17 @@ static double bf_hop(const struct kvs_plan_inventory *inv, const struct kvs_plan
     return rtt / 2 + bytes * 8 / bits_per_ms;
 }
 
+/* Boundary bytes of the edge x -> y (docs/PLAN.md): the targets' precision,
+ * or auto: f16 where an f32 row takes longer than f16_above_ms to send. */
+static double bf_edge_bytes(const struct kvs_plan_model *m, const struct kvs_plan_targets *t,
+                            const struct kvs_plan_device *x, const struct kvs_plan_device *y)
+{
+    if (t->boundary_bytes)
+        return (double)m->n_embd * t->boundary_bytes;
+    double bits_per_ms = dmin(x->bandwidth_mbps, y->bandwidth_mbps) * 1e6 / 1000.0;
+    return (double)m->n_embd * ((double)m->n_embd * 32 / bits_per_ms > t->f16_above_ms ? 2 : 4);
+}
+
 /* Minimum over arrangements (ordered subsets) and compositions. */
 static double brute(const struct kvs_plan_model *m, const struct kvs_plan_inventory *inv,
                     const struct kvs_plan_targets *t)
@@ -123,7 +134,8 @@ static double brute(const struct kvs_plan_model *m, const struct kvs_plan_invent
                     cost += bf_compute(m, t, d, cuts[r], cuts[r + 1]);
                     if (len > 1) {
                         if (r + 1 < len)
-                            cost += bf_hop(inv, d, &inv->devices[seq[r + 1]], (double)m->n_embd * t->boundary_bytes);
+                            cost += bf_hop(inv, d, &inv->devices[seq[r + 1]],
+                                           bf_edge_bytes(m, t, d, &inv->devices[seq[r + 1]]));
                         else
                             cost += bf_hop(inv, d, &inv->devices[seq[0]], 4.0);
                     }
@@ -159,7 +171,8 @@ static void random_instance(uint64_t *s, struct kvs_plan_model *m, struct kvs_pl
         m->tied_bytes = m->tail_bytes < m->head_bytes ? m->tail_bytes : m->head_bytes;
     t->ctx = (uint32_t)rng_range(s, 1, 2048);
     t->seqs = (uint32_t)rng_range(s, 1, 4);
-    t->boundary_bytes = rng_next(s) % 2 ? 2 : 4;
+    t->boundary_bytes = (uint32_t)(rng_next(s) % 3) * 2; /* auto, f16, f32 */
+    t->f16_above_ms = rng_unit(s) * 2;
     t->ubatch = (uint32_t)rng_range(s, 1, 64);
     t->block_overhead_ms = rng_unit(s) * 0.1;
     inv->relay_rtt_ms = rng_unit(s) * 50;
@@ -186,7 +199,7 @@ static void test_dp_equals_brute_force(void **state)
     assert_non_null(m);
     assert_non_null(inv);
     assert_non_null(res);
-    int feasible = 0, infeasible = 0, multi = 0, excluded = 0;
+    int feasible = 0, infeasible = 0, multi = 0, excluded = 0, f16_edges = 0, f32_edges = 0;
     for (int it = 0; it < 200; it++) {
         struct kvs_plan_targets t;
         random_instance(&s, m, inv, &t);
@@ -217,9 +230,17 @@ static void test_dp_equals_brute_force(void **state)
             assert_true(bf_mem(m, &t, rk->begin, rk->end) <= d->mem_bytes);
             assert_int_equal(rk->weights_bytes + rk->kv_bytes + rk->buffer_bytes, bf_mem(m, &t, rk->begin, rk->end));
             cost += bf_compute(m, &t, d, rk->begin, rk->end);
+            const struct kvs_plan_device *dn = &inv->devices[res->ranks[(r + 1) % res->n_ranks].device];
             if (res->n_ranks > 1)
-                cost += bf_hop(inv, d, &inv->devices[res->ranks[(r + 1) % res->n_ranks].device],
-                               r + 1 < res->n_ranks ? (double)m->n_embd * t.boundary_bytes : 4.0);
+                cost += bf_hop(inv, d, dn, r + 1 < res->n_ranks ? bf_edge_bytes(m, &t, d, dn) : 4.0);
+            if (r + 1 < res->n_ranks) {
+                assert_true(rk->boundary_bytes == 2 || rk->boundary_bytes == 4);
+                assert_true((double)m->n_embd * rk->boundary_bytes == bf_edge_bytes(m, &t, d, dn));
+                f16_edges += rk->boundary_bytes == 2;
+                f32_edges += rk->boundary_bytes == 4;
+            } else {
+                assert_int_equal(rk->boundary_bytes, 4);
+            }
         }
         assert_int_equal(at, m->n_block);
         assert_true(dabs(cost - res->token_ms) <= 1e-9 * dmax(1.0, cost));
@@ -228,8 +249,9 @@ static void test_dp_equals_brute_force(void **state)
         excluded += res->n_ranks < inv->n_devices;
     }
     /* The generator must exercise every case. */
-    printf("brute force: %d feasible (%d multi-rank, %d with exclusions), %d infeasible\n", feasible, multi,
-           excluded, infeasible);
+    printf("brute force: %d feasible (%d multi-rank, %d with exclusions), %d infeasible; %d f16 / %d f32 edges\n",
+           feasible, multi, excluded, infeasible, f16_edges, f32_edges);
+    assert_true(f16_edges >= 10 && f32_edges >= 10);
     assert_true(feasible >= 100);
     assert_true(multi >= 50);
     assert_true(excluded >= 10);
@@ -334,14 +356,16 @@ static void test_feasible_tiny_exact_cost(void **state)
      * head, 2000 + 200 + 128 + 32 = 2360 on the tail; 3 blocks > 2500).
      * Hence [0,2) + [2,4): compute = (2100 + 2200 stream bytes) / 1e6 ms
      * (1 GB/s) + 4 * 0.5 = 2.0043 ms; hops: max rtt 4 / 2 = 2 ms each plus
-     * 8 bytes * 8 / 1e5 = 0.00064 ms and 4 * 8 / 1e5 = 0.00032 ms. */
+     * 16 bytes (4 values in f32: 0.00128 ms at 100 Mbit/s is far below the
+     * 5 ms of auto) * 8 / 1e5 = 0.00128 ms and 4 * 8 / 1e5 = 0.00032 ms. */
     m->head_stream_bytes = 100;
     m->tail_stream_bytes = 200;
     char err[256];
     assert_int_equal(kvs_plan_solve(m, inv, &t, &res, err, sizeof err), KVS_OK);
     assert_int_equal(res.n_ranks, 2);
     assert_int_equal(res.ranks[0].end, 2);
-    double want = 0.0043 + 2.0 + 2.0 + 2.0 + 0.00064 + 0.00032;
+    double want = 0.0043 + 2.0 + 2.0 + 2.0 + 0.00128 + 0.00032;
+    assert_int_equal(res.ranks[0].boundary_bytes, 4);
     assert_true(dabs(res.token_ms - want) < 1e-12);
     assert_true(dabs(res.decode_tps_1 - 1000.0 / want) < 1e-9);
     free(m);

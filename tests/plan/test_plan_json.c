@@ -305,6 +305,89 @@ static void test_default_ctx_from_model(void **state)
  * relay URLs with the edge's token (the receiving rank's listen = the
  * sending rank's next); the manifest reads back; no secret or no relay URL
  * is refused. */
+/* Per-edge boundary precision (docs/MANIFEST.md ranks[i].boundary): auto makes
+ * an edge f16 only where one f32 row (aidreams: n_embd 64, 2048 bits) takes
+ * longer than f16_above_ms to send: at 0.2 Mbit/s 10.24 ms > 5 ms; at 1000
+ * Mbit/s 0.002 ms. The tail sends token ids: "f32". The reader takes the
+ * field back; a bad value names it. */
+static void test_manifest_edge_boundary(void **state)
+{
+    (void)state;
+    const char *shared = getenv("KVASIR_SHARED");
+    char path[1024];
+    snprintf(path, sizeof path, "%s/models/aidreams260K.gguf", shared ? shared : "../shared");
+    struct kvs_gguf *g = NULL;
+    assert_int_equal(kvs_gguf_open(path, &g, g_err, sizeof g_err), KVS_OK);
+    struct kvs_plan_model *m = NULL;
+    assert_int_equal(kvs_plan_model_from_gguf(g, &m, g_err, sizeof g_err), KVS_OK);
+    assert_int_equal(m->n_embd, 64);
+    struct kvs_plan_inventory *inv = malloc(sizeof *inv);
+    struct kvs_plan_result *res = malloc(sizeof *res);
+    struct kvs_manifest *mf = malloc(sizeof *mf);
+    assert_true(inv && res && mf);
+    const char *doc = "[{\"name\": \"a\", \"mem_bytes\": 9000000, \"decode_gbps\": 20, \"bandwidth_mbps\": 1000},"
+                      " {\"name\": \"b\", \"mem_bytes\": 9000000, \"decode_gbps\": 20, \"bandwidth_mbps\": 1000},"
+                      " {\"name\": \"slow\", \"mem_bytes\": 9000000, \"decode_gbps\": 20, \"bandwidth_mbps\": 0.2}]";
+    assert_int_equal(inv_parse(doc, inv), KVS_OK);
+    /* a [0,1) -> b [1,2) -> slow [2,4) -> a */
+    const struct kvs_plan_rank ranks[3] = { { .device = 0, .begin = 0, .end = 1 },
+                                            { .device = 1, .begin = 1, .end = 2 },
+                                            { .device = 2, .begin = 2, .end = 4 } };
+    static const struct {
+        uint32_t boundary_bytes;
+        double above_ms;
+        const char *targets;
+        uint32_t want[3];
+    } cases[] = {
+        { 0, 5.0, "auto", { 4, 2, 4 } },  /* only the edge into the slow device */
+        { 0, 11.0, "auto", { 4, 4, 4 } }, /* 10.24 ms is not above 11 */
+        { 4, 5.0, "f32", { 4, 4, 4 } },
+        { 2, 5.0, "f16", { 2, 2, 4 } },
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        struct kvs_plan_targets t = kvs_plan_default_targets();
+        assert_int_equal(t.boundary_bytes, 0); /* auto by default */
+        t.ctx = 64;
+        t.boundary_bytes = cases[c].boundary_bytes;
+        t.f16_above_ms = cases[c].above_ms;
+        assert_true(kvs_plan_evaluate(m, inv, &t, ranks, 3, res) > 0);
+        char *json = NULL;
+        assert_int_equal(kvs_plan_manifest_json(m, inv, &t, res, "x.gguf", NULL, &json), KVS_OK);
+        assert_int_equal(kvs_manifest_parse(json, strlen(json), mf, g_err, sizeof g_err), KVS_OK);
+        assert_non_null(strstr(json, cases[c].targets));
+        free(json);
+        assert_int_equal(mf->boundary_bytes, cases[c].boundary_bytes);
+        for (size_t r = 0; r < 3; r++) {
+            if (res->ranks[r].boundary_bytes != cases[c].want[r] || mf->ranks[r].boundary_bytes != cases[c].want[r])
+                fail_msg("case %zu rank %zu: plan %u, manifest %u bytes, want %u", c, r, res->ranks[r].boundary_bytes,
+                         mf->ranks[r].boundary_bytes, cases[c].want[r]);
+        }
+    }
+    /* the f16 hop costs rtt 1 ms (the default) / 2 + 64 * 2 bytes at 0.2 Mbit/s = 0.5 + 5.12 ms */
+    struct kvs_plan_targets t = kvs_plan_default_targets();
+    t.ctx = 64;
+    assert_true(kvs_plan_evaluate(m, inv, &t, ranks, 3, res) > 0);
+    assert_true(res->ranks[1].hop_ms > 5.62 - 1e-9 && res->ranks[1].hop_ms < 5.62 + 1e-9);
+    /* the reader: a rank's field, absent = 0, bad values named */
+    const char *own = MF_HEAD MF_TARGETS("128", "1", "\"auto\"")
+        "\"ranks\": [{\"rank\": 0, \"window\": [0, 2], \"listen\": \"h:1\", \"next\": \"h:2\", \"boundary\": \"f16\"},"
+        "{\"rank\": 1, \"window\": [2, 4], \"listen\": \"h:2\", \"next\": \"h:1\"}]}";
+    assert_int_equal(kvs_manifest_parse(own, strlen(own), mf, g_err, sizeof g_err), KVS_OK);
+    assert_int_equal(mf->boundary_bytes, 0);
+    assert_int_equal(mf->ranks[0].boundary_bytes, 2);
+    assert_int_equal(mf->ranks[1].boundary_bytes, 0);
+    const char *bad = MF_HEAD
+        "\"ranks\": [{\"rank\": 0, \"window\": [0, 2], \"listen\": \"h:1\", \"next\": \"h:2\"},"
+        "{\"rank\": 1, \"window\": [2, 4], \"listen\": \"h:2\", \"next\": \"h:1\", \"boundary\": \"auto\"}]}";
+    assert_int_equal(kvs_manifest_parse(bad, strlen(bad), mf, g_err, sizeof g_err), KVS_ERR_FORMAT);
+    assert_non_null(strstr(g_err, "ranks[1].boundary"));
+    free(mf);
+    free(res);
+    free(inv);
+    free(m);
+    kvs_gguf_close(g);
+}
+
 static void test_manifest_relay(void **state)
 {
     (void)state;
@@ -547,7 +630,7 @@ int main(void)
         cmocka_unit_test(test_manifest_parse),     cmocka_unit_test(test_profile_qwen3_tied),
         cmocka_unit_test(test_fetch_header),       cmocka_unit_test(test_load_errors_and_empty_model),
         cmocka_unit_test(test_manifest_strict),    cmocka_unit_test(test_default_ctx_from_model),
-        cmocka_unit_test(test_manifest_relay),
+        cmocka_unit_test(test_manifest_relay),     cmocka_unit_test(test_manifest_edge_boundary),
         cmocka_unit_test(test_keys),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -318,7 +318,10 @@ static double check_plan(const struct kvs_plan_inventory *inv, const struct kvs_
             if (!d->accepts_inbound || !nx->accepts_inbound)
                 rtt += 40;
             double bw = d->bandwidth_mbps < nx->bandwidth_mbps ? d->bandwidth_mbps : nx->bandwidth_mbps;
-            double bytes = r + 1 < res->n_ranks ? E * 2 : 4;
+            /* auto boundary: f32 (4 bytes) unless one f32 row (E * 32 bits) takes > 5 ms */
+            double row_bytes = E * 32 / (bw * 1e3) > 5.0 ? 2 : 4;
+            double bytes = r + 1 < res->n_ranks ? E * row_bytes : 4;
+            if (r + 1 < res->n_ranks) assert_int_equal(rk->boundary_bytes, (uint32_t)row_bytes);
             hand_ms += rtt / 2 + bytes * 8 / (bw * 1e6) * 1e3;
         }
         printf("rank %zu %-8s [%2u,%2u) %2u blocks  %.2f GB  compute %.3f ms  hop %.3f ms\n", r, d->name, rk->begin,
