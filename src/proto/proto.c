@@ -344,7 +344,7 @@ kvs_err kvs_proto_check_header(const struct kvs_frame_header *h, uint32_t max_pa
         [KVS_FRAME_END] = 0,
         [KVS_FRAME_CANCEL] = 0,
         [KVS_FRAME_ERROR] = 0,
-        [KVS_FRAME_KEEPALIVE] = KVS_FRAME_FLAG_PROBE | KVS_FRAME_FLAG_TRAIL,
+        [KVS_FRAME_KEEPALIVE] = KVS_FRAME_FLAG_PROBE | KVS_FRAME_FLAG_TRAIL | KVS_FRAME_FLAG_LIVE,
     };
     if (max_payload == 0 || max_payload > KVS_PROTO_MAX_PAYLOAD) max_payload = KVS_PROTO_MAX_PAYLOAD;
     if (h->version != KVS_PROTO_VERSION)
@@ -368,6 +368,13 @@ kvs_err kvs_proto_check_header(const struct kvs_frame_header *h, uint32_t max_pa
             if (n > KVS_PROTO_MAX_TRAIL)
                 FAIL(KVS_ERR_RANGE, "probe trail of %u records exceeds the cap of %u", n, KVS_PROTO_MAX_TRAIL);
             want = (uint64_t)n * KVS_PROTO_TRAIL_REC_BYTES;
+            break;
+        }
+        if (h->flags & KVS_FRAME_FLAG_LIVE) { /* §3.8.2 */
+            if (h->flags & KVS_FRAME_FLAG_PROBE) FAIL(KVS_ERR_FORMAT, "KEEPALIVE with both LIVE and PROBE");
+            if (n > KVS_PROTO_MAX_LIVE)
+                FAIL(KVS_ERR_RANGE, "live set of %u request ids exceeds the cap of %u", n, KVS_PROTO_MAX_LIVE);
+            want = 4ull * n;
             break;
         }
         if (n != 0) FAIL(KVS_ERR_RANGE, "%s frame with token count %u (must be 0)", kn, n);

@@ -28,6 +28,7 @@
 #define KVS_PROTO_TOKEN_BYTES 8u           /* TOKEN payload (§3.5) */
 #define KVS_PROTO_TRAIL_REC_BYTES 56u      /* one record of a probe trail (§3.8.1, revision 1.1) */
 #define KVS_PROTO_MAX_TRAIL 64u            /* records in a probe trail (n_tokens of a TRAIL probe) */
+#define KVS_PROTO_MAX_LIVE 65536u          /* request ids in a LIVE keepalive (§3.8.2, rev 3.2) */
 
 enum kvs_frame_kind {
     KVS_FRAME_HELLO = 1,
@@ -52,6 +53,7 @@ enum kvs_frame_flag {
     KVS_FRAME_FLAG_TRAIL = 1u << 5,      /* KEEPALIVE with PROBE: carries a trail of stage records (rev 1.1) */
     KVS_FRAME_FLAG_REPLAY = 1u << 6,     /* REQUEST_START: a replay after a fault (rev 3.1): a stage that still
                                           * holds the request id frees that slot and starts it afresh */
+    KVS_FRAME_FLAG_LIVE = 1u << 7,       /* KEEPALIVE, not with PROBE: the head's live request ids (rev 3.2) */
 };
 
 /* Roles in a HELLO (§3.1). */

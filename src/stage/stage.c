@@ -184,6 +184,7 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
     uint64_t max_payload = kvs_proto_decode_bytes((uint32_t)s->n_batch, s->n_embd, true) + 4096;
     uint64_t req_max = kvs_proto_req_bytes(KVS_PROTO_MAX_STOP, (uint32_t)s->n_ctx);
     if (req_max + 4096 > max_payload) max_payload = req_max + 4096;
+    if (4ull * (uint64_t)s->n_seq + 4096 > max_payload) max_payload = 4ull * (uint64_t)s->n_seq + 4096; /* LIVE */
     if (max_payload > KVS_PROTO_MAX_PAYLOAD) {
         snprintf(err, sizeof err, "n_batch %d x n_embd %u exceeds the frame cap", (int)s->n_batch, s->n_embd);
         e = KVS_ERR_RANGE;

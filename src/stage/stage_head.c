@@ -35,7 +35,8 @@ void kvs_st_head_abort(struct kvs_stage *s, struct seq *q, uint32_t req, kvs_err
  * was sampled here on a one-stage ring). */
 void kvs_st_head_token(struct kvs_stage *s, uint32_t req_id, uint32_t pos, struct kvs_token_msg tm)
 {
-    s->progress = kvs_link_now_ms();
+    /* only a token the head takes counts as progress (s->progress, §3.8): a
+     * stray one for a request it does not hold proves nothing about the ring */
     struct seq *q = kvs_st_seq_find(s, req_id);
     if (!q) return; /* cancelled or failed meanwhile */
     if (q->held) return; /* computed before the fault: the replay draws it again (§5.1) */
@@ -61,6 +62,7 @@ void kvs_st_head_token(struct kvs_stage *s, uint32_t req_id, uint32_t pos, struc
         kvs_st_head_abort(s, q, q->req, KVS_ERR_PEER, msg);
         return;
     }
+    s->progress = kvs_link_now_ms();
     kvs_st_met_add(s, &s->met.tokens_generated, 1);
     /* The tail ends a request at max_tokens; the head holds it to that too. */
     if (!tm.finish && q->max_tokens && (uint32_t)q->n_reported + 1 >= q->max_tokens) tm.finish = KVS_FINISH_LENGTH;
@@ -408,20 +410,9 @@ static bool group_ready(const struct kvs_stage *s, int32_t g, int32_t G)
     return true;
 }
 
-static void head_decode_group(struct kvs_stage *s, int32_t g, int32_t G)
+/* One forward of the n rows gathered in b_tok/b_seq/b_pos/b_req (n <= n_batch). */
+static void head_decode_rows(struct kvs_stage *s, int32_t n)
 {
-    int32_t n = 0;
-    for (int32_t i = g; i < s->n_seq; i += G) {
-        struct seq *q = &s->seqs[i];
-        if (!q->used || !q->has_next) continue; /* head_token checked next_pos */
-        s->b_tok[n] = q->next_tok;
-        s->b_seq[n] = i;
-        s->b_pos[n] = q->next_pos;
-        s->b_req[n] = q->req;
-        q->has_next = false;
-        n++;
-    }
-    if (n == 0) return;
     for (int32_t k = 0; k < n; k++) s->b_logits[k] = 1; /* used on a one-stage ring (the tail's rows) */
     struct kvs_batch b = { .n_tokens = n, .token = s->b_tok, .seq = s->b_seq, .pos = s->b_pos,
                            .logits = s->solo ? s->b_logits : NULL };
@@ -435,6 +426,47 @@ static void head_decode_group(struct kvs_stage *s, int32_t g, int32_t G)
         return;
     }
     kvs_st_decode_rows_done(s, n, s->solo);
+}
+
+/* A group's rows go as batches of at most n_batch rows (the work buffers,
+ * the model's batch and the successor's frame cap are sized by n_batch;
+ * --seqs may exceed --batch). */
+static void head_decode_group(struct kvs_stage *s, int32_t g, int32_t G)
+{
+    int32_t n = 0;
+    for (int32_t i = g; i < s->n_seq; i += G) {
+        struct seq *q = &s->seqs[i];
+        if (!q->used || !q->has_next) continue; /* head_token checked next_pos */
+        s->b_tok[n] = q->next_tok;
+        s->b_seq[n] = i;
+        s->b_pos[n] = q->next_pos;
+        s->b_req[n] = q->req;
+        q->has_next = false;
+        if (++n == s->n_batch) {
+            head_decode_rows(s, n);
+            n = 0;
+        }
+    }
+    if (n > 0) head_decode_rows(s, n);
+}
+
+void kvs_st_head_send_live(struct kvs_stage *s)
+{
+    uint8_t *p = s->sbuf + KVS_PROTO_HEADER_BYTES;
+    uint32_t n = 0;
+    for (int32_t i = 0; i < s->n_seq && n < KVS_PROTO_MAX_LIVE; i++)
+        if (s->seqs[i].used && !s->seqs[i].held) kvs_proto_put_u32(p + 4 * (size_t)n++, s->seqs[i].req);
+    struct kvs_frame_header h = { .kind = KVS_FRAME_KEEPALIVE, .flags = KVS_FRAME_FLAG_LIVE, .n_tokens = n,
+                                  .payload_len = 4 * n };
+    kvs_st_send_built(s, &h);
+}
+
+void kvs_st_head_unready(struct kvs_stage *s)
+{
+    s->probe_min = s->probe_no + 1;
+    s->probe_back = 0;
+    s->progress = 0;
+    kvs_st_met_update(s);
 }
 
 void kvs_st_head_decode(struct kvs_stage *s)

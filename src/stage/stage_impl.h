@@ -28,7 +28,10 @@
 #include "trust/trust.h"
 #include "tokenizer/tokenizer.h"
 
-#define MAX_PENDING_LINKS 4  /* accepted connections waiting for their HELLO */
+#define MAX_PENDING_LINKS 16 /* accepted connections waiting for their HELLO */
+#define PEND_MIN_AGE_MS 250  /* a new connection evicts a pending one only if that one is older than this */
+#define REFUSAL_LOG_BURST 10 /* refused / closed pending links logged per REFUSAL_LOG_MS, then counted */
+#define REFUSAL_LOG_MS 10000
 #define HANDSHAKE_MS 3000    /* a HELLO must arrive within this */
 #define PROBE_UNREADY_MS 20  /* head: probe interval until a probe has come round (then keepalive_ms) */
 #define PROBE_ACCEPT 1024u   /* head: a returning probe counts if it is one of the last this many */
@@ -124,8 +127,14 @@ struct kvs_stage {
     bool in_warned;
     char relay_ca[512], relay_pin[65]; /* kvs_stage_params.relay_ca / relay_pin ("" = none) */
 
+    /* pending-link refusals: at most REFUSAL_LOG_BURST log lines per REFUSAL_LOG_MS */
+    int64_t refusal_log_t0;
+    int refusal_log_n;
+    uint64_t refusal_log_dropped;
+
     /* head: ring probes */
     uint32_t probe_no;
+    uint32_t probe_min;           /* head: only a probe numbered >= this (sent after the last fault) counts */
     int64_t probe_sent, probe_back;
     int64_t progress;             /* head: last TOKEN from the tail (work got round the ring) */
     bool admit_more;              /* head: more queued requests can start: do not wait in poll */
@@ -187,6 +196,9 @@ bool kvs_st_send_built(struct kvs_stage *s, struct kvs_frame_header *h);
 bool kvs_st_send_simple(struct kvs_stage *s, uint8_t kind, uint8_t flags, uint32_t req, uint32_t pos);
 bool kvs_st_send_error(struct kvs_stage *s, uint32_t req, kvs_err code, const char *msg);
 void kvs_st_refuse(struct kvs_link *l, kvs_err code, const char *msg);
+/* true if a warning about a pending (not yet introduced) link may be logged
+ * now; counts the ones that may not (REFUSAL_LOG_BURST per REFUSAL_LOG_MS). */
+bool kvs_st_refusal_log_ok(struct kvs_stage *s);
 void kvs_st_drop_all(struct kvs_stage *s, kvs_err err, const char *msg);
 void kvs_st_in_lost(struct kvs_stage *s, const char *why);
 void kvs_st_out_lost(struct kvs_stage *s, const char *why);
@@ -218,6 +230,9 @@ int32_t kvs_st_keep_finite_rows(struct kvs_stage *s, int32_t n, bool logits, con
 void kvs_st_on_decode(struct kvs_stage *s, const struct kvs_frame *f);
 void kvs_st_on_end(struct kvs_stage *s, const struct kvs_frame *f);
 void kvs_st_on_error(struct kvs_stage *s, const struct kvs_frame *f);
+/* A LIVE keepalive from the head (PROTOCOL.md §3.8.2): frees every slot whose
+ * request is not in it, and forwards it (not on the tail). */
+void kvs_st_on_live(struct kvs_stage *s, const struct kvs_frame *f);
 
 /* --- the head: requests, admission, prompt, batched decode, returned tokens (stage_head.c) --- */
 
@@ -236,6 +251,12 @@ void kvs_st_head_fault(struct kvs_stage *s, kvs_err err, const char *msg);
 void kvs_st_head_probe_back(struct kvs_stage *s, uint32_t probe_no);
 /* Head: requests in flight that are not held. */
 int32_t kvs_st_head_n_live(const struct kvs_stage *s);
+/* Head: sends the LIVE keepalive (§3.8.2): the ids of the requests in flight
+ * (held ones excluded: a replay starts them afresh on every stage). */
+void kvs_st_head_send_live(struct kvs_stage *s);
+/* Head: a fault: the ring counts as ready again (admission, /health) only
+ * once a probe sent after now came back (§3.8), held requests or not. */
+void kvs_st_head_unready(struct kvs_stage *s);
 
 /* --- the tail: sampling (stage_tail.c) --- */
 

@@ -144,18 +144,40 @@ static kvs_err check_hello(const struct kvs_stage *s, const struct kvs_hello *o,
     return KVS_OK;
 }
 
-/* Every sequence is dead once a link on the data path broke. */
+/* Every sequence is dead once a link on the data path broke. On the head
+ * this is the CANCEL round of §5: its requests are held for a replay (§5.1)
+ * or end, the ring counts as not ready until a probe sent after now comes
+ * back, and one LIVE keepalive (§3.8.2, without these requests) makes every
+ * stage it reaches free their slots, whichever frame about them was lost. */
 void kvs_st_drop_all(struct kvs_stage *s, kvs_err err, const char *msg)
 {
-    if (s->is_head) { /* held for a replay (§5.1), or ended */
+    if (s->is_head) {
+        if (!s->solo) kvs_st_head_unready(s);
         kvs_st_head_fault(s, err, msg);
+        if (!s->solo) kvs_st_head_send_live(s); /* dropped if the out link is down: the stages there lost a link too */
         return;
     }
-    for (int32_t i = 0; i < s->n_seq; i++) {
-        if (!s->seqs[i].used) continue;
-        if (s->is_head) kvs_st_head_end(s, &s->seqs[i], err, 0, msg);
-        else kvs_st_seq_free(s, &s->seqs[i]);
+    for (int32_t i = 0; i < s->n_seq; i++)
+        if (s->seqs[i].used) kvs_st_seq_free(s, &s->seqs[i]);
+}
+
+bool kvs_st_refusal_log_ok(struct kvs_stage *s)
+{
+    int64_t now = kvs_link_now_ms();
+    if (now - s->refusal_log_t0 >= REFUSAL_LOG_MS) {
+        if (s->refusal_log_dropped)
+            KVS_LOGW("%llu more refused or closed incoming links were not logged (at most %d lines per %d s)",
+                     (unsigned long long)s->refusal_log_dropped, REFUSAL_LOG_BURST, REFUSAL_LOG_MS / 1000);
+        s->refusal_log_t0 = now;
+        s->refusal_log_n = 0;
+        s->refusal_log_dropped = 0;
     }
+    if (s->refusal_log_n < REFUSAL_LOG_BURST) {
+        s->refusal_log_n++;
+        return true;
+    }
+    s->refusal_log_dropped++;
+    return false;
 }
 
 void kvs_st_in_lost(struct kvs_stage *s, const char *why)
@@ -216,11 +238,23 @@ void kvs_st_accept_new(struct kvs_stage *s)
         int slot = -1;
         for (int i = 0; i < MAX_PENDING_LINKS; i++)
             if (!s->pend[i].l) slot = i;
-        if (slot < 0) { /* evict the oldest */
+        if (slot < 0) {
+            /* The table is full: the oldest entry makes room only if it had
+             * PEND_MIN_AGE_MS for its HELLO (a neighbour's re-dial needs a
+             * few round trips); else the newcomer is the one turned away. A
+             * pending link never touches the established in link. */
             slot = 0;
             for (int i = 1; i < MAX_PENDING_LINKS; i++)
                 if (s->pend[i].since < s->pend[slot].since) slot = i;
-            KVS_LOGW("closing link from %s: no HELLO yet and too many pending links", s->pend[slot].l->peer);
+            if (kvs_link_now_ms() - s->pend[slot].since < PEND_MIN_AGE_MS) {
+                if (kvs_st_refusal_log_ok(s))
+                    KVS_LOGW("closing new link from %s: %d links are still waiting for their HELLO", l->peer,
+                             MAX_PENDING_LINKS);
+                kvs_link_close(l);
+                continue;
+            }
+            if (kvs_st_refusal_log_ok(s))
+                KVS_LOGW("closing link from %s: no HELLO yet and too many pending links", s->pend[slot].l->peer);
             kvs_st_pend_close(&s->pend[slot]);
         }
         s->pend[slot].dec = kvs_proto_decoder_create(KVS_PROTO_HELLO_BYTES + 64, s->n_embd);
@@ -247,10 +281,10 @@ void kvs_st_pend_read(struct kvs_stage *s, struct pending_link *pl)
         /* A peer with another key is a configuration error or a stranger:
          * logged, but not kept as the ring's refusal (anyone can dial) */
         if (why && e == KVS_ERR_MISMATCH) {
-            KVS_LOGW("refusing predecessor: %s", why);
+            if (kvs_st_refusal_log_ok(s)) KVS_LOGW("refusing predecessor: %s", why);
             kvs_st_met_add(s, &s->met.frames_rejected, 1);
         } else if (why) {
-            KVS_LOGW("closing link from %s: %s", pl->l->peer, why);
+            if (kvs_st_refusal_log_ok(s)) KVS_LOGW("closing link from %s: %s", pl->l->peer, why);
             kvs_st_met_add(s, &s->met.frames_rejected, 1);
         } else {
             KVS_LOGD("pending link from %s closed before its HELLO", pl->l->peer);
@@ -266,7 +300,8 @@ void kvs_st_pend_read(struct kvs_stage *s, struct pending_link *pl)
         if (e == KVS_ERR_NEED_MORE) return;
         char msg[256];
         if (e) {
-            KVS_LOGW("closing link from %s: bad frame: %s", pl->l->peer, kvs_proto_decoder_error(pl->dec));
+            if (kvs_st_refusal_log_ok(s))
+                KVS_LOGW("closing link from %s: bad frame: %s", pl->l->peer, kvs_proto_decoder_error(pl->dec));
             kvs_st_met_add(s, &s->met.frames_rejected, 1);
             snprintf(msg, sizeof msg, "bad frame: %s", kvs_proto_decoder_error(pl->dec));
             kvs_st_refuse(pl->l, e, msg);
@@ -302,16 +337,32 @@ void kvs_st_pend_read(struct kvs_stage *s, struct pending_link *pl)
         if (ce) {
             char full[sizeof s->in_refusal];
             snprintf(full, sizeof full, "refusing predecessor %s: %s", pl->l->peer, msg);
-            KVS_LOGW("%s", full);
+            if (kvs_st_refusal_log_ok(s)) KVS_LOGW("%s", full);
             kvs_st_met_add(s, &s->met.frames_rejected, 1);
             kvs_st_refuse(pl->l, ce, rmsg);
-            if (hello) { /* a stage that does not fit: the ring cannot close with it */
+            /* A stage that does not fit: the ring cannot close with it. Only a
+             * peer that proved the predecessor's key (TLS) is that stage: over
+             * a plaintext (--insecure) link anyone can dial, and a stranger's
+             * HELLO is logged, not made the ring's error. */
+            if (hello && kvs_tls_is_tls(pl->l)) {
                 pthread_mutex_lock(&s->mu);
                 s->in_refusal_code = ce;
                 snprintf(s->in_refusal, sizeof s->in_refusal, "%s", full);
                 pthread_mutex_unlock(&s->mu);
                 pthread_cond_broadcast(&s->cv);
             }
+            kvs_st_pend_close(pl);
+            return;
+        }
+        /* An established predecessor is replaced only by a peer that proved
+         * its key (TLS: the same stage re-dialing), or once it went quiet
+         * (2 keepalive periods: a live predecessor writes at least one
+         * keepalive per period). Over --insecure anyone can send a fitting
+         * HELLO; it must not cut a live ring. */
+        if (s->in && !kvs_tls_is_tls(pl->l) && kvs_link_now_ms() - s->in_last_read < 2 * (int64_t)s->p.keepalive_ms) {
+            if (kvs_st_refusal_log_ok(s))
+                KVS_LOGW("closing link from %s: this stage's predecessor %s is alive", pl->l->peer, s->in->peer);
+            kvs_st_met_add(s, &s->met.frames_rejected, 1);
             kvs_st_pend_close(pl);
             return;
         }

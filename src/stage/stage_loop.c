@@ -183,7 +183,8 @@ static void timers(struct kvs_stage *s)
     int64_t now = kvs_link_now_ms();
     for (int i = 0; i < MAX_PENDING_LINKS; i++)
         if (s->pend[i].l && !s->pend[i].relay && now - s->pend[i].since > HANDSHAKE_MS) {
-            KVS_LOGW("closing link from %s: no HELLO within %d ms", s->pend[i].l->peer, HANDSHAKE_MS);
+            if (kvs_st_refusal_log_ok(s))
+                KVS_LOGW("closing link from %s: no HELLO within %d ms", s->pend[i].l->peer, HANDSHAKE_MS);
             kvs_st_pend_close(&s->pend[i]);
         }
     if (s->in && now - s->in_last_read > s->p.timeout_ms && !in_pending(s)) {
@@ -202,7 +203,8 @@ static void timers(struct kvs_stage *s)
         if (s->is_head && now - s->probe_sent >= every) {
             s->probe_no++;
             s->probe_sent = now;
-            kvs_st_send_probe(s, s->probe_no, 0, 0);
+            kvs_st_head_send_live(s); /* stages free slots of requests ended here (§3.8.2) */
+            if (s->out_state == OUT_UP) kvs_st_send_probe(s, s->probe_no, 0, 0);
         } else if (now - s->out_last_write >= s->p.keepalive_ms) {
             kvs_st_send_simple(s, KVS_FRAME_KEEPALIVE, 0, 0, 0);
         }

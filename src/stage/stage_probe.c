@@ -5,6 +5,8 @@
 #include <pthread.h>
 #include <string.h>
 
+#include "common/log.h"
+
 /* This stage's trail record (§3.8.1), t_send_us left 0. */
 static void trail_rec(struct kvs_stage *s, struct kvs_trail_rec *r, uint64_t t_recv)
 {
@@ -37,11 +39,39 @@ void kvs_st_send_probe(struct kvs_stage *s, uint32_t probe_no, uint32_t n, uint6
     kvs_st_send_built(s, &h);
 }
 
-/* Head: a TRAIL probe came back: keep its per-stage figures. */
+/* a - b in milliseconds for two wire timestamps (µs), without the signed
+ * overflow a cast and a subtraction would have */
+static double diff_ms(uint64_t a, uint64_t b)
+{
+    return a >= b ? (double)(a - b) / 1000.0 : -(double)(b - a) / 1000.0;
+}
+
+#define TRAIL_SKEW_US (86400ull * 1000000ull) /* a record's clock may differ from the head's by a day */
+
+/* Head: a TRAIL probe came back: keep its per-stage figures. Any stage
+ * forwards trails, so every field is checked before arithmetic on it
+ * (§3.8.1): windows inside the model, t_recv <= t_send, timestamps within
+ * TRAIL_SKEW_US of the head's clock, the first record the head's own (its
+ * t_send not after t_back). A trail that fails is dropped whole. */
 static void head_take_trail(struct kvs_stage *s, const struct kvs_frame *f, uint64_t t_back)
 {
     uint32_t n = f->h.n_tokens;
     struct kvs_trail_rec r, nx;
+    for (uint32_t i = 0; i < n; i++) {
+        kvs_proto_get_trail_rec(f, i, &r);
+        bool ok = r.block_begin < r.block_end && r.block_end <= s->hp.n_block && r.t_recv_us <= r.t_send_us &&
+                  r.t_send_us <= t_back + TRAIL_SKEW_US && t_back <= r.t_recv_us + TRAIL_SKEW_US &&
+                  (i > 0 || (r.block_begin == (uint32_t)s->begin && r.block_end == (uint32_t)s->end &&
+                             r.t_send_us <= t_back));
+        if (!ok) {
+            kvs_st_met_add(s, &s->met.frames_rejected, 1);
+            if (kvs_st_refusal_log_ok(s))
+                KVS_LOGW("dropping a probe trail: record %u ([%u,%u), t_recv %llu, t_send %llu us) is not valid", i,
+                         r.block_begin, r.block_end, (unsigned long long)r.t_recv_us,
+                         (unsigned long long)r.t_send_us);
+            return;
+        }
+    }
     pthread_mutex_lock(&s->mu);
     s->n_hops = 0;
     for (uint32_t i = 0; i < n; i++) {
@@ -55,23 +85,29 @@ static void head_take_trail(struct kvs_stage *s, const struct kvs_frame *f, uint
         *o = (struct kvs_stage_hop){ .block_begin = (int32_t)r.block_begin, .block_end = (int32_t)r.block_end,
                                      .forward_calls = r.forward_calls, .forward_ms = (double)r.forward_us / 1000.0,
                                      .rows = r.rows, .bytes_out = r.bytes_out,
-                                     .residence_ms = r.t_send_us >= r.t_recv_us
-                                                         ? (double)(r.t_send_us - r.t_recv_us) / 1000.0 : 0.0,
-                                     .hop_ms = (double)((int64_t)next_recv - (int64_t)r.t_send_us) / 1000.0 };
-        if (i == 0) s->probe_rtt_ms = (double)((int64_t)t_back - (int64_t)r.t_send_us) / 1000.0;
+                                     .residence_ms = diff_ms(r.t_send_us, r.t_recv_us),
+                                     .hop_ms = diff_ms(next_recv, r.t_send_us) };
+        if (i == 0) s->probe_rtt_ms = diff_ms(t_back, r.t_send_us);
     }
     pthread_mutex_unlock(&s->mu);
 }
 
 void kvs_st_on_keepalive(struct kvs_stage *s, const struct kvs_frame *f)
 {
+    if (f->h.flags & KVS_FRAME_FLAG_LIVE) {
+        kvs_st_on_live(s, f);
+        return;
+    }
     if (!(f->h.flags & KVS_FRAME_FLAG_PROBE)) return;
     uint64_t now = kvs_st_wall_us();
     if (s->is_head) {
         /* Any of the last PROBE_ACCEPT probes counts: while the ring is not
          * known closed they go out every PROBE_UNREADY_MS, faster than a ring
          * with a longer round trip (a relay, a busy stage) brings one back. */
-        if ((uint32_t)(s->probe_no - f->h.pos) < PROBE_ACCEPT) {
+        /* ... and only one sent after the last fault (probe_min, kvs_st_head_unready):
+         * an older one may have passed the ring before it broke */
+        if ((uint32_t)(s->probe_no - f->h.pos) < PROBE_ACCEPT && (int32_t)(f->h.pos - s->probe_min) >= 0) {
+            s->probe_min = f->h.pos;
             s->probe_back = kvs_link_now_ms();
             if (f->h.flags & KVS_FRAME_FLAG_TRAIL) head_take_trail(s, f, now);
             kvs_st_head_probe_back(s, f->h.pos);

@@ -212,6 +212,13 @@ void kvs_st_on_decode(struct kvs_stage *s, const struct kvs_frame *f)
         int32_t slot = kvs_st_seq_slot(s, q);
         bool dup = false;
         for (int32_t k = 0; k < n; k++) dup |= s->b_seq[k] == slot;
+        if (n >= s->n_batch) { /* the work buffers and the model's batch hold n_batch rows */
+            char msg[160];
+            snprintf(msg, sizeof msg, "DECODE of %u rows exceeds n_batch %d of stage [%d,%d)", f->h.n_tokens,
+                     (int)s->n_batch, (int)s->begin, (int)s->end);
+            kvs_st_fail_req(s, q, req, KVS_ERR_RANGE, msg);
+            continue;
+        }
         if (dup || n >= s->n_seq || (int32_t)pos != kvs_model_seq_len(s->m, slot) || pos >= (uint32_t)s->n_ctx) {
             char msg[160];
             snprintf(msg, sizeof msg, "DECODE row at position %u does not continue the sequence (%d cached)", pos,
@@ -279,6 +286,33 @@ void kvs_st_on_error(struct kvs_stage *s, const struct kvs_frame *f)
     }
     if (f->h.req == 0) kvs_st_drop_all(s, e, msg);
     else if (kvs_st_seq_find(s, f->h.req)) kvs_st_seq_free(s, kvs_st_seq_find(s, f->h.req));
+    memcpy(s->sbuf + KVS_PROTO_HEADER_BYTES, f->payload, f->h.payload_len);
+    struct kvs_frame_header h = f->h;
+    kvs_st_send_built(s, &h);
+}
+
+void kvs_st_on_live(struct kvs_stage *s, const struct kvs_frame *f)
+{
+    if (s->is_head) return; /* the head's own set: the tail does not forward it */
+    int32_t freed = 0;
+    for (int32_t i = 0; i < s->n_seq; i++) {
+        struct seq *q = &s->seqs[i];
+        if (!q->used) continue;
+        bool live = false;
+        for (uint32_t k = 0; k < f->h.n_tokens && !live; k++) live = kvs_proto_get_u32(f->payload + 4 * k) == q->req;
+        if (!live) {
+            KVS_LOGD("stage [%d,%d): request %u is not live on the head: slot %d freed", (int)s->begin, (int)s->end,
+                     q->req, (int)i);
+            kvs_st_seq_free(s, q);
+            freed++;
+        }
+    }
+    if (freed) {
+        KVS_LOGI("stage [%d,%d): freed %d sequence slot%s of requests the head no longer holds", (int)s->begin,
+                 (int)s->end, (int)freed, freed == 1 ? "" : "s");
+        kvs_st_met_update(s);
+    }
+    if (s->is_tail) return;
     memcpy(s->sbuf + KVS_PROTO_HEADER_BYTES, f->payload, f->h.payload_len);
     struct kvs_frame_header h = f->h;
     kvs_st_send_built(s, &h);

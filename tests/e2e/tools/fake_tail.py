@@ -5,6 +5,11 @@ answers each PREFILL / DECODE with TOKEN frames chosen by MODE:
   dup   - every TOKEN sent twice (a duplicate at the same position)
   pos   - the first TOKEN at a wrong position
   long  - never sets a finish reason (the head must stop at max_tokens)
+  trail - as long, and every odd-numbered probe's trail gets a forged record
+          (timestamps near 2^63 us: the head must check them before arithmetic)
+  ghost - once a request started: no probe goes round any more and no token
+          for it comes, only TOKENs for a request id the head never sent (the
+          head must not take them as progress: its stall timer fails the request)
 usage: fake_tail.py MODEL LISTEN_PORT HEAD_PORT MODE N_BLOCK N_EMBD N_CTX N_SEQ WIN_BEGIN
 (runs until the head closes the link or 30 s pass)."""
 import binascii, socket, struct, subprocess, sys, time
@@ -48,7 +53,7 @@ def main():
     succ.sendall(hello(2))  # role 2: we are its successor
     pred = socket.create_connection(('127.0.0.1', hport), timeout=5)
     pred.sendall(hello(1))  # role 1: we are its predecessor
-    buf, sent, deadline = b'', 0, time.time() + 30
+    buf, sent, deadline, started = b'', 0, time.time() + 30, 0
     succ.settimeout(0.2)
     while time.time() < deadline:
         try:
@@ -62,7 +67,17 @@ def main():
         frames, buf = parse(buf + d)
         for kind, fl, req, pos, n, pl in frames:
             if kind == 9 and fl & 4:  # probe: send it on round the ring
+                if mode == 'ghost' and started:
+                    pred.sendall(token(started + 1000, 1, 66))
+                    continue
+                if mode == 'trail' and fl & 0x20 and pos % 2:
+                    rec = struct.pack('<IIQQQQQQ', wb, nblock, 1, 2, 3, 4, 1, (1 << 63) + 12345)
+                    pl, n = pl + rec, n + 1
                 pred.sendall(frame(9, pl, flags=fl, pos=pos, n=n))
+                continue
+            if mode == 'ghost' and kind == 2:  # REQUEST_START
+                started = req
+            if mode == 'ghost' and started:
                 continue
             rows = []
             if kind == 3 and fl & 2:  # the last PREFILL chunk: the next token sits after it
