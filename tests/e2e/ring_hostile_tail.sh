@@ -27,7 +27,7 @@ for mode in dup pos long trail ghost; do
   sleep 0.3
   timeout 40 "$BIN" stage -m "$M" --window 0:2 --listen 127.0.0.1:$PH --next 127.0.0.1:$PT --api $PA --insecure \
     2>"$T/$mode.log" & hp=$!; pids+=($hp)
-  for _ in $(seq 100); do
+  for _ in $(seq 200); do # up to 20 s: the fake tail and the head load beside other tests
     [ "$(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:$PA/health)" = 200 ] && break
     sleep 0.1
   done
