@@ -23,9 +23,10 @@ trap cleanup EXIT
 fail() { echo "FAIL: $*"; exit 1; }
 for mode in dup pos long trail ghost; do
   PH=$(free_port); PT=$(free_port); PA=$(free_port)
+  extra=""; [ "$mode" = ghost ] && extra="--replay-deadline 0" # a stall fails the request at once (no hold, §5.1)
   KVASIR_BIN="$BIN" timeout 40 python3 "$here/tools/fake_tail.py" "$M" "$PT" "$PH" "$mode" 4 64 128 4 2 & pids+=($!)
   sleep 0.3
-  timeout 40 "$BIN" stage -m "$M" --window 0:2 --listen 127.0.0.1:$PH --next 127.0.0.1:$PT --api $PA --insecure \
+  timeout 40 "$BIN" stage -m "$M" --window 0:2 --listen 127.0.0.1:$PH --next 127.0.0.1:$PT --api $PA --insecure $extra \
     2>"$T/$mode.log" & hp=$!; pids+=($hp)
   for _ in $(seq 200); do # up to 20 s: the fake tail and the head load beside other tests
     [ "$(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:$PA/health)" = 200 ] && break
