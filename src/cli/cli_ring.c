@@ -481,7 +481,7 @@ int kvs_cli_run_ring(int argc, char **argv)
         } else if (kvs_ring_client_opt(a, v, &co, &bad)) {
         } else if (!strcmp(a, "--threads") || !strcmp(a, "-t")) bad = kvs_cli_parse_long(v, 1, 512, &threads);
         else if (!strcmp(a, "--ctx") || !strcmp(a, "-c")) bad = kvs_cli_parse_long(v, 1, 1 << 24, &n_ctx);
-        else if (!strcmp(a, "--ring")) bad = kvs_cli_parse_long(v, 2, 1024, &ring);
+        else if (!strcmp(a, "--ring")) bad = kvs_cli_parse_long(v, 1, 1024, &ring);
         else if (!strcmp(a, "--seqs")) bad = kvs_cli_parse_long(v, 1, 1024, &seqs);
         else if (!strcmp(a, "--step-delay")) bad = kvs_cli_parse_long(v, 0, 10000, &delay);
         else if (!strcmp(a, "--replay-deadline"))
@@ -500,8 +500,8 @@ int kvs_cli_run_ring(int argc, char **argv)
         }
         i++;
     }
-    if (!model || (!co.prompt == !co.prompts_path) || ring < 2) {
-        fprintf(stderr, "kvasir run: --ring N (N >= 2), -m MODEL and one of -p TEXT / --prompts FILE are required\n");
+    if (!model || (!co.prompt == !co.prompts_path) || ring < 1) {
+        fprintf(stderr, "kvasir run: --ring N (N >= 1), -m MODEL and one of -p TEXT / --prompts FILE are required\n");
         ring_usage(stderr);
         return 2;
     }
@@ -521,7 +521,7 @@ int kvs_cli_run_ring(int argc, char **argv)
     struct kvs_local_ring_opts lo = { .who = "run", .model = model, .n = (int)ring, .threads = threads,
                                       .n_ctx = n_ctx, .seqs = seqs, .boundary_f32 = f32, .insecure = insecure,
                                       .child_mask = &old, .step_delay_ms = delay, .backend = backend,
-                                      .device = device };
+                                      .device = device, .allow_solo = true }; /* --ring 1: as serve --ring 1 */
     struct kvs_stage *head = NULL;
     int rc = kvs_local_ring_start(&lo, &lr, &sp);
     if (rc) goto done;

@@ -107,7 +107,7 @@ static int run_parse(int argc, char **argv, struct run_opts *o)
         else {
             if (!strcmp(a, "--boundary") || !strcmp(a, "--prompts") || !strcmp(a, "--parallel") ||
                 !strcmp(a, "--seqs"))
-                fprintf(stderr, "kvasir run: %s is an option of a ring: add --ring N (N >= 2)\n", a);
+                fprintf(stderr, "kvasir run: %s is an option of a ring: add --ring N\n", a);
             else
                 fprintf(stderr, "kvasir run: unknown option: %s\n", a);
             return 2;
