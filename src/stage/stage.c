@@ -220,6 +220,8 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
         e = KVS_ERR_IO;
         goto fail;
     }
+    kvs_st_cut_token(s->listen_addr, s->in_token);
+    kvs_st_cut_token(s->next_addr, s->next_token);
     /* a relay URL: no listening socket at all (a stage behind NAT opens no port) */
     if (!s->in_relay && (e = kvs_tcp_listen(s->listen_addr, &s->lst, err, sizeof err))) goto fail;
     kvs_st_met_update(s);

@@ -126,6 +126,9 @@ struct kvs_stage {
     int in_attempt;
     bool in_warned;
     char relay_ca[512], relay_pin[65]; /* kvs_stage_params.relay_ca / relay_pin ("" = none) */
+    /* the edge tokens of relay URLs, cut out of listen_addr / next_addr so that
+     * logs, /health and metrics never show them ("" = none) */
+    char in_token[KVS_RELAY_TOKEN_HEX + 1], next_token[KVS_RELAY_TOKEN_HEX + 1];
 
     /* pending-link refusals: at most REFUSAL_LOG_BURST log lines per REFUSAL_LOG_MS */
     int64_t refusal_log_t0;
@@ -212,6 +215,9 @@ void kvs_st_dial_in(struct kvs_stage *s);
 /* Checks a link address: "HOST:PORT" (dialable unless `listen`) or a relay
  * URL with its token. KVS_ERR_ARG with the reason in why. */
 kvs_err kvs_st_check_addr(const char *addr, bool listen, char *why, size_t cap);
+/* A relay URL in addr: moves its ?token=HEX into tok (addr keeps the URL
+ * without it). Anything else: nothing changes. */
+void kvs_st_cut_token(char *addr, char tok[KVS_RELAY_TOKEN_HEX + 1]);
 void kvs_st_out_read(struct kvs_stage *s);
 
 /* --- the sequence table and the data path of a window: REQUEST_START, PREFILL, DECODE, END, ERROR (stage_seq.c) --- */

@@ -437,15 +437,25 @@ kvs_err kvs_st_check_addr(const char *addr, bool listen, char *why, size_t cap)
     return why[0] ? KVS_ERR_ARG : KVS_OK;
 }
 
+void kvs_st_cut_token(char *addr, char tok[KVS_RELAY_TOKEN_HEX + 1])
+{
+    if (!kvs_ws_is_url(addr)) return;
+    char *q = strstr(addr, "?token=");
+    if (!q) return;
+    snprintf(tok, KVS_RELAY_TOKEN_HEX + 1, "%s", q + 7);
+    *q = '\0';
+}
+
 /* Dials addr: direct TCP for HOST:PORT, else through the relay as `role`'s
  * end of the URL's edge (RELAY.md §2), trusting the relay by s->relay_ca or
  * s->relay_pin. The set-up (TCP, TLS to the relay, upgrade) blocks the loop
  * for at most timeout_ms. */
-static kvs_err dial_link(struct kvs_stage *s, const char *addr, uint8_t role, int timeout_ms, struct kvs_link **l,
-                         char *err, size_t errlen)
+static kvs_err dial_link(struct kvs_stage *s, const char *addr, const char *token, uint8_t role, int timeout_ms,
+                         struct kvs_link **l, char *err, size_t errlen)
 {
     if (!kvs_ws_is_url(addr)) return kvs_tcp_dial(addr, timeout_ms, l, err, errlen);
     struct kvs_ws_opts o = { .role = role,
+                             .token = token[0] ? token : NULL,
                              .ca_file = s->relay_ca[0] ? s->relay_ca : NULL,
                              .pin_sha256 = s->relay_pin[0] ? s->relay_pin : NULL };
     return kvs_ws_dial(addr, &o, timeout_ms, l, err, errlen);
@@ -463,7 +473,7 @@ void kvs_st_dial_in(struct kvs_stage *s)
     s->in_next_dial = now + kvs_link_backoff_ms(s->in_attempt++);
     char err[300];
     struct kvs_link *l;
-    kvs_err e = dial_link(s, s->listen_addr, KVS_RELAY_ROLE_DOWN, RELAY_DIAL_MS, &l, err, sizeof err);
+    kvs_err e = dial_link(s, s->listen_addr, s->in_token, KVS_RELAY_ROLE_DOWN, RELAY_DIAL_MS, &l, err, sizeof err);
     if (e) {
         if (!s->in_warned && s->in_attempt >= 20) {
             KVS_LOGW("still cannot reach the relay for the in link: %s (retrying)", err);
@@ -496,7 +506,8 @@ void kvs_st_dial_next(struct kvs_stage *s)
     char err[300];
     struct kvs_link *l;
     bool relay = kvs_ws_is_url(s->next_addr);
-    kvs_err e = dial_link(s, s->next_addr, KVS_RELAY_ROLE_UP, relay ? RELAY_DIAL_MS : 500, &l, err, sizeof err);
+    if (relay && strstr(s->next_addr, "?token=")) kvs_st_cut_token(s->next_addr, s->next_token); /* kvs_stage_set_next */
+    kvs_err e = dial_link(s, s->next_addr, s->next_token, KVS_RELAY_ROLE_UP, relay ? RELAY_DIAL_MS : 500, &l, err, sizeof err);
     if (!e && s->tls) {
         e = kvs_tls_wrap(s->tls, l, KVS_TLS_DIALER, s->p.next_key, &l);
         if (e) snprintf(err, sizeof err, "%s", kvs_strerror(e));

@@ -686,7 +686,29 @@ static void test_tls(void **state)
     err[0] = '\0';
     assert_int_equal(kvs_ws_dial(url, &o, 3000, &l, err, sizeof err), KVS_ERR_NET);
     assert_non_null(strstr(err, "certificate not trusted"));
-    /* plain ws:// to a TLS relay fails the upgrade, with a clear error */
+    /* a pinned certificate hash (SHA-256 of the DER) instead of a CA: it needs
+     * neither a trusted chain nor the host name; another hash is refused */
+    char pins[2][65];
+    for (int i = 0; i < 2; i++) {
+        snprintf(cmd, sizeof cmd, "openssl x509 -in %s/c%d.pem -outform DER | sha256sum | cut -c1-64", dir, i);
+        FILE *pf = popen(cmd, "r");
+        assert_non_null(pf);
+        assert_non_null(fgets(pins[i], sizeof pins[i], pf));
+        pclose(pf);
+        assert_true(kvs_relay_hex64(pins[i]));
+    }
+    struct kvs_ws_opts po = { .role = KVS_RELAY_ROLE_UP, .pin_sha256 = pins[0] };
+    assert_int_equal(kvs_ws_dial(url, &po, 3000, &l, err, sizeof err), KVS_OK); /* url: localhost */
+    kvs_link_close(l);
+    l = NULL;
+    po.pin_sha256 = pins[1];
+    err[0] = '\0';
+    assert_int_equal(kvs_ws_dial(url, &po, 3000, &l, err, sizeof err), KVS_ERR_NET);
+    assert_null(l);
+    assert_non_null(strstr(err, "is not the pinned"));
+    po.pin_sha256 = "abc";
+    assert_int_equal(kvs_ws_dial(url, &po, 3000, &l, err, sizeof err), KVS_ERR_ARG);
+        /* plain ws:// to a TLS relay fails the upgrade, with a clear error */
     snprintf(url, sizeof url, "ws://127.0.0.1:%u/edge/tls?token=%s", rr.port, tok);
     assert_int_not_equal(kvs_ws_dial(url, &o, 3000, &l, err, sizeof err), KVS_OK);
     stop(&rr);
