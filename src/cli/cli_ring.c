@@ -364,7 +364,11 @@ int kvs_ring_client(struct kvs_stage *head, const struct kvs_ring_client_opts *o
         fprintf(stderr, "kvasir: stopped before the ring closed\n");
         rc = 1;
     } else if (we == KVS_ERR_TIMEOUT) {
-        fprintf(stderr, "kvasir: the ring did not close within %d ms\n", o->ready_timeout_ms);
+        char why[1024];
+        if (kvs_stage_link_error(head, why, sizeof why))
+            fprintf(stderr, "kvasir: the ring did not close within %d ms: %s\n", o->ready_timeout_ms, why);
+        else
+            fprintf(stderr, "kvasir: the ring did not close within %d ms\n", o->ready_timeout_ms);
         rc = 1;
     } else if (we) {
         char why[2048];

@@ -400,6 +400,15 @@ kvs_err kvs_stage_wait_ready(struct kvs_stage *s, int timeout_ms)
     return KVS_OK;
 }
 
+bool kvs_stage_link_error(struct kvs_stage *s, char *buf, size_t cap)
+{
+    pthread_mutex_lock(&s->mu);
+    bool any = s->out_dial_err[0] != '\0';
+    if (buf && cap) snprintf(buf, cap, "%s", s->out_dial_err);
+    pthread_mutex_unlock(&s->mu);
+    return any;
+}
+
 kvs_err kvs_stage_ring_error(struct kvs_stage *s, char *buf, size_t cap)
 {
     pthread_mutex_lock(&s->mu);

@@ -181,6 +181,10 @@ kvs_err kvs_stage_wait_ready(struct kvs_stage *s, int timeout_ms);
  * refusal is kept until the link comes up, or the refusing successor can no
  * longer be reached. Thread-safe. */
 kvs_err kvs_stage_ring_error(struct kvs_stage *s, char *buf, size_t cap);
+/* Why the successor cannot be reached, from the last failed dial ("cannot
+ * reach the successor HOST:PORT: connection refused"): true and buf set;
+ * false and "" once a dial succeeds (or before the first). Thread-safe. */
+bool kvs_stage_link_error(struct kvs_stage *s, char *buf, size_t cap);
 
 struct kvs_stage_metrics {
     bool ring_ready;

@@ -117,6 +117,8 @@ struct kvs_stage {
     int64_t out_next_dial, out_since, out_last_write;
     int out_attempt;
     bool out_warned;
+    int64_t out_unreach_since;    /* first failed dial of the current run of failures, 0 = none */
+    char out_dial_err[KVS_PROTO_MAX_ERRMSG]; /* under mu: why the successor cannot be reached, "" when it can */
     bool solo;                    /* the whole model: head and tail at once, no links (a one-stage ring) */
     bool in_bye, out_bye;         /* the neighbour said goodbye (orderly shutdown): its EOF is not a fault */
     int out_refused;              /* consecutive refusals by the successor (backoff, logged as errors) */

@@ -462,6 +462,7 @@ static kvs_err dial_link(struct kvs_stage *s, const char *addr, const char *toke
 }
 
 #define RELAY_DIAL_MS 1500 /* set-up of a link through the relay: TCP + TLS + upgrade */
+#define UNREACH_WARN_MS 3000 /* an unreachable successor: info at once, a warning after this */
 
 void kvs_st_dial_in(struct kvs_stage *s)
 {
@@ -518,14 +519,32 @@ void kvs_st_dial_next(struct kvs_stage *s)
         s->out_refusal[0] = '\0';
         pthread_mutex_unlock(&s->mu);
         s->out_refused = 0;
-        if (!s->out_warned && s->out_attempt >= 20) {
-            KVS_LOGW("still cannot reach the successor: %s (retrying)", err);
+        /* Said at the first failure (info: in a starting ring the successor may
+         * not listen yet), as a warning once it lasts UNREACH_WARN_MS. */
+        int64_t now = kvs_link_now_ms();
+        pthread_mutex_lock(&s->mu);
+        if (strstr(err, s->next_addr)) /* the dial error names the address already */
+            snprintf(s->out_dial_err, sizeof s->out_dial_err, "cannot reach the successor: %s", err);
+        else
+            snprintf(s->out_dial_err, sizeof s->out_dial_err, "cannot reach the successor %s: %s", s->next_addr, err);
+        char why[sizeof s->out_dial_err];
+        snprintf(why, sizeof why, "%s", s->out_dial_err);
+        pthread_mutex_unlock(&s->mu);
+        if (!s->out_unreach_since) {
+            s->out_unreach_since = now;
+            KVS_LOGI("%s (retrying with backoff)", why);
+        } else if (!s->out_warned && now - s->out_unreach_since >= UNREACH_WARN_MS) {
+            KVS_LOGW("%s, for %d s now (retrying)", why, (int)((now - s->out_unreach_since) / 1000));
             s->out_warned = true;
         }
         s->out_next_dial = kvs_link_now_ms() + kvs_link_backoff_ms(s->out_attempt++);
         return;
     }
     s->out = l;
+    s->out_unreach_since = 0;
+    pthread_mutex_lock(&s->mu);
+    s->out_dial_err[0] = '\0';
+    pthread_mutex_unlock(&s->mu);
     s->out_state = OUT_HANDSHAKE;
     s->out_hello_sent = false;
     s->out_since = kvs_link_now_ms();

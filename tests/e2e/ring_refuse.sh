@@ -114,6 +114,10 @@ pids+=($h)
 sleep 1
 term "$h" "C: head waiting for the ring"
 grep -qF "stopped before the ring closed" "$tmp/c1.log" || fail "C: head did not say why it stopped"
+# an unreachable successor is reported at the first failed dial (then retried), not after ~17 s
+grep -qF "info: cannot reach the successor: cannot connect to $(a 7): Connection refused (retrying with backoff)" \
+  "$tmp/c1.log" || fail "C: the unreachable successor was not reported within 1 s"
+[[ $(grep -c "cannot reach the successor" "$tmp/c1.log") == 1 ]] || fail "C: the unreachable successor reported more than once in 1 s"
 # a two-stage ring: a request, then stop the tail (the head stays), then the head
 "$BIN" stage -m "$M" --window 2:4 $K1 --listen "$(a 4)" --next "$(a 5)" >"$tmp/tail.log" 2>&1 &
 tl=$!
