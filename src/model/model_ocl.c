@@ -18,6 +18,8 @@
 #include "model/model_impl.h"
 #include "ocl/ocl.h"
 
+#define OCL_TYPES "OpenCL kernels: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"
+
 /* Logits rows computed per round at the tail (bounds the device buffer). */
 #define OCL_LOGIT_ROWS 16
 
@@ -71,15 +73,11 @@ static kvs_err mat_up(struct up *u, const struct kvs_matrix *W, size_t stride, i
     if (!W->data) return KVS_OK;
     if (!kvs_ocl_type_supported(W->type)) {
         if (il >= 0)
-            snprintf(u->errbuf, u->errlen,
-                     "tensor blk.%d.%s has type %s, which has no OpenCL kernel (OpenCL kernels: F32, F16, Q8_0, "
-                     "Q4_0, Q4_K, Q6_K); use --backend cpu",
-                     (int)il, what, kvs_type_name(W->type));
+            snprintf(u->errbuf, u->errlen, "tensor blk.%d.%s has type %s, which has no OpenCL kernel (" OCL_TYPES
+                     "); use --backend cpu", (int)il, what, kvs_type_name(W->type));
         else
-            snprintf(u->errbuf, u->errlen,
-                     "tensor %s has type %s, which has no OpenCL kernel (OpenCL kernels: F32, F16, Q8_0, Q4_0, "
-                     "Q4_K, Q6_K); use --backend cpu",
-                     what, kvs_type_name(W->type));
+            snprintf(u->errbuf, u->errlen, "tensor %s has type %s, which has no OpenCL kernel (" OCL_TYPES
+                     "); use --backend cpu", what, kvs_type_name(W->type));
         return KVS_ERR_UNSUPPORTED;
     }
     const size_t bytes = n_exp > 1 ? stride * (size_t)n_exp : W->row_bytes * (size_t)W->ne1;

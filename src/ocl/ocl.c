@@ -34,12 +34,22 @@ enum {
     K_MOE_SUM,
     K_BW_READ,
     K_FLOPS,
+    K_QUANT_Q8_1,
+    K_QUANT_BF16,
+    K_MM_BF16,
+    K_MM_Q4_1,
+    K_MM_Q5_0,
+    K_MM_Q5_1,
+    K_MM_Q2_K,
+    K_MM_Q3_K,
+    K_MM_Q5_K,
     K_COUNT_
 };
 static const char *const kernel_names[K_COUNT_] = {
     "quant_q8_0", "quant_q8_K", "quant_f16", "mm_f32",  "mm_f16",   "mm_q8_0",   "mm_q4_0",   "mm_q4_K",   "mm_q6_K",
     "rmsnorm",    "rope",       "kv_store",  "attention", "add",    "add_bias",  "swiglu",    "moe_route", "moe_sum",
-    "bw_read",    "flops",
+    "bw_read",    "flops",      "quant_q8_1", "quant_bf16", "mm_bf16", "mm_q4_1", "mm_q5_0", "mm_q5_1", "mm_q2_K",
+    "mm_q3_K",    "mm_q5_K",
 };
 
 struct kvs_ocl {
@@ -240,8 +250,9 @@ kvs_err kvs_ocl_open(int index, struct kvs_ocl **out, char *errbuf, size_t errle
 bool kvs_ocl_type_supported(enum kvs_type type)
 {
     switch (type) {
-    case KVS_TYPE_F32: case KVS_TYPE_F16: case KVS_TYPE_Q8_0: case KVS_TYPE_Q4_0: case KVS_TYPE_Q4_K:
-    case KVS_TYPE_Q6_K:
+    case KVS_TYPE_F32: case KVS_TYPE_F16: case KVS_TYPE_BF16: case KVS_TYPE_Q8_0: case KVS_TYPE_Q4_0:
+    case KVS_TYPE_Q4_1: case KVS_TYPE_Q5_0: case KVS_TYPE_Q5_1: case KVS_TYPE_Q2_K: case KVS_TYPE_Q3_K:
+    case KVS_TYPE_Q4_K: case KVS_TYPE_Q5_K: case KVS_TYPE_Q6_K:
         return true;
     default:
         return false;
@@ -253,9 +264,11 @@ size_t kvs_ocl_act_row_bytes(enum kvs_type type, int64_t K)
     if (K <= 0) return 0;
     switch (type) {
     case KVS_TYPE_F32: return (size_t)K * 4;
-    case KVS_TYPE_F16: return (size_t)K * 2;
-    case KVS_TYPE_Q8_0: case KVS_TYPE_Q4_0: return K % 32 ? 0 : (size_t)(K / 32) * 34;
-    case KVS_TYPE_Q4_K: case KVS_TYPE_Q6_K: return K % 256 ? 0 : (size_t)(K / 256) * 292;
+    case KVS_TYPE_F16: case KVS_TYPE_BF16: return (size_t)K * 2;
+    case KVS_TYPE_Q8_0: case KVS_TYPE_Q4_0: case KVS_TYPE_Q5_0: return K % 32 ? 0 : (size_t)(K / 32) * 34;
+    case KVS_TYPE_Q4_1: case KVS_TYPE_Q5_1: return K % 32 ? 0 : (size_t)(K / 32) * 36;
+    case KVS_TYPE_Q2_K: case KVS_TYPE_Q3_K: case KVS_TYPE_Q4_K: case KVS_TYPE_Q5_K: case KVS_TYPE_Q6_K:
+        return K % 256 ? 0 : (size_t)(K / 256) * 292;
     default: return 0;
     }
 }
@@ -369,8 +382,11 @@ static void quantize(struct kvs_ocl *c, enum kvs_type wt, struct kvs_ocl_buf *x,
     int64_t n;
     switch (wt) {
     case KVS_TYPE_F16: ki = K_QUANT_F16; n = rows * K; break;
-    case KVS_TYPE_Q8_0: case KVS_TYPE_Q4_0: ki = K_QUANT_Q8_0; n = rows * K / 32; break;
-    case KVS_TYPE_Q4_K: case KVS_TYPE_Q6_K: ki = K_QUANT_Q8_K; n = rows * K / 256; break;
+    case KVS_TYPE_BF16: ki = K_QUANT_BF16; n = rows * K; break;
+    case KVS_TYPE_Q8_0: case KVS_TYPE_Q4_0: case KVS_TYPE_Q5_0: ki = K_QUANT_Q8_0; n = rows * K / 32; break;
+    case KVS_TYPE_Q4_1: case KVS_TYPE_Q5_1: ki = K_QUANT_Q8_1; n = rows * K / 32; break;
+    case KVS_TYPE_Q2_K: case KVS_TYPE_Q3_K: case KVS_TYPE_Q4_K: case KVS_TYPE_Q5_K: case KVS_TYPE_Q6_K:
+        ki = K_QUANT_Q8_K; n = rows * K / 256; break;
     default: return;
     }
     ARG_MEM(ki, 0, x);
@@ -388,6 +404,13 @@ static int mm_kernel(enum kvs_type t, int64_t K, int64_t *nb)
     case KVS_TYPE_Q4_0: *nb = K / 32; return K_MM_Q4_0;
     case KVS_TYPE_Q4_K: *nb = K / 256; return K_MM_Q4_K;
     case KVS_TYPE_Q6_K: *nb = K / 256; return K_MM_Q6_K;
+    case KVS_TYPE_BF16: *nb = K; return K_MM_BF16;
+    case KVS_TYPE_Q4_1: *nb = K / 32; return K_MM_Q4_1;
+    case KVS_TYPE_Q5_0: *nb = K / 32; return K_MM_Q5_0;
+    case KVS_TYPE_Q5_1: *nb = K / 32; return K_MM_Q5_1;
+    case KVS_TYPE_Q2_K: *nb = K / 256; return K_MM_Q2_K;
+    case KVS_TYPE_Q3_K: *nb = K / 256; return K_MM_Q3_K;
+    case KVS_TYPE_Q5_K: *nb = K / 256; return K_MM_Q5_K;
     default: return -1;
     }
 }

@@ -55,12 +55,14 @@ const struct kvs_ocl_device_info *kvs_ocl_info(const struct kvs_ocl *c);
  * the build-failure path). Same errors as kvs_ocl_open. */
 kvs_err kvs_ocl_open_source(int index, const char *src, struct kvs_ocl **out, char *errbuf, size_t errlen);
 
-/* True if matmuls over weights of this type have a kernel: F32, F16, Q8_0,
- * Q4_0, Q4_K, Q6_K. */
+/* True if matmuls over weights of this type have a kernel: F32, F16, BF16,
+ * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (the IQ types,
+ * TQ types and the integer types have none). */
 bool kvs_ocl_type_supported(enum kvs_type type);
 /* Bytes of one activation row of K values in the vec_dot format of weight
- * type `type` (F32: K·4, F16: K·2, Q8_0 blocks for Q8_0/Q4_0, Q8_K blocks
- * for Q4_K/Q6_K); 0 if unsupported or K is not a whole number of blocks. */
+ * type `type` (F32: K·4, F16/BF16: K·2, Q8_0 blocks for Q8_0/Q4_0/Q5_0, Q8_1
+ * for Q4_1/Q5_1, Q8_K for the K-quants); 0 if unsupported or K is not a whole
+ * number of blocks. */
 size_t kvs_ocl_act_row_bytes(enum kvs_type type, int64_t K);
 
 /* Device buffer of `bytes` (> 0), uninitialized. KVS_ERR_NOMEM (with the

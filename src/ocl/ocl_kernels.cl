@@ -229,6 +229,182 @@ __kernel void mm_q6_K(MM_ARGS)
     MM_TAIL
 }
 
+/* --- the other GGUF types -------------------------------------------------- */
+
+inline uint rd_u32(const __global uchar *p) { return (uint)p[0] | (uint)p[1] << 8 | (uint)p[2] << 16 | (uint)p[3] << 24; }
+
+inline float bf16_f32(ushort h) { return as_float((uint)h << 16); }
+
+/* Q8_1 (36 bytes: f16 d, f16 s = d·Σq, int8 qs[32]), one block per work-item. */
+__kernel void quant_q8_1(const __global float *x, __global uchar *y, const int n_blocks)
+{
+    const int i = (int)get_global_id(0);
+    if (i >= n_blocks) return;
+    const __global float *xb = x + (size_t)i * 32;
+    __global uchar *yb = y + (size_t)i * 36;
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmax(amax, fabs(xb[j]));
+    const float mult = amax != 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+        const int q = (int)rint(xb[j] * mult);
+        ((__global char *)(yb + 4))[j] = (char)q;
+        sum += q;
+    }
+    vstore_half_rte(d, 0, (__global half *)yb);
+    vstore_half_rte(d * (float)sum, 1, (__global half *)yb);
+}
+
+/* BF16 (round to nearest even, NaN quieted), one value per work-item. */
+__kernel void quant_bf16(const __global float *x, __global ushort *y, const int n)
+{
+    const int i = (int)get_global_id(0);
+    if (i >= n) return;
+    const uint u = as_uint(x[i]);
+    y[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? (ushort)((u >> 16) | 64u) : (ushort)((u + (0x7FFFu + ((u >> 16) & 1u))) >> 16);
+}
+
+/* BF16 weights, BF16 activations; nb = K values. */
+__kernel void mm_bf16(MM_ARGS)
+{
+    MM_HEAD
+    const __global ushort *wh = (const __global ushort *)wr, *ah = (const __global ushort *)ar;
+    for (int i = lid; i < nb; i += L) acc += bf16_f32(wh[i]) * bf16_f32(ah[i]);
+    MM_TAIL
+}
+
+/* Q4_1 (20 bytes: f16 d, f16 m, qs[16]) · Q8_1. */
+__kernel void mm_q4_1(MM_ARGS)
+{
+    MM_HEAD
+    for (int b = lid; b < nb; b += L) {
+        const __global uchar *x = wr + (size_t)b * 20, *q = ar + (size_t)b * 36;
+        const __global char *qq = (const __global char *)(q + 4);
+        int s = 0;
+        for (int j = 0; j < 16; j++) {
+            const int v = x[4 + j];
+            s += (v & 0xF) * qq[j] + (v >> 4) * qq[j + 16];
+        }
+        acc += (ld_f16(x) * ld_f16(q)) * (float)s + ld_f16(x + 2) * ld_f16(q + 2);
+    }
+    MM_TAIL
+}
+
+/* Q5_0 (22 bytes: f16 d, qh[4], qs[16]; fifth bits in qh, minus 16) · Q8_0. */
+__kernel void mm_q5_0(MM_ARGS)
+{
+    MM_HEAD
+    for (int b = lid; b < nb; b += L) {
+        const __global uchar *x = wr + (size_t)b * 22, *q = ar + (size_t)b * 34;
+        const __global char *qq = (const __global char *)(q + 2);
+        const uint h = rd_u32(x + 2);
+        int s = 0;
+        for (int j = 0; j < 16; j++) {
+            const int v = x[6 + j];
+            const int q0 = ((v & 0xF) | (int)((h >> j) & 1u) << 4) - 16;
+            const int q1 = ((v >> 4) | (int)((h >> (j + 16)) & 1u) << 4) - 16;
+            s += q0 * qq[j] + q1 * qq[j + 16];
+        }
+        acc += (float)s * (ld_f16(x) * ld_f16(q));
+    }
+    MM_TAIL
+}
+
+/* Q5_1 (24 bytes: f16 d, f16 m, qh[4], qs[16]) · Q8_1. */
+__kernel void mm_q5_1(MM_ARGS)
+{
+    MM_HEAD
+    for (int b = lid; b < nb; b += L) {
+        const __global uchar *x = wr + (size_t)b * 24, *q = ar + (size_t)b * 36;
+        const __global char *qq = (const __global char *)(q + 4);
+        const uint h = rd_u32(x + 4);
+        int s = 0;
+        for (int j = 0; j < 16; j++) {
+            const int v = x[8 + j];
+            const int q0 = (v & 0xF) | (int)((h >> j) & 1u) << 4;
+            const int q1 = (v >> 4) | (int)((h >> (j + 16)) & 1u) << 4;
+            s += q0 * qq[j] + q1 * qq[j + 16];
+        }
+        acc += (ld_f16(x) * ld_f16(q)) * (float)s + ld_f16(x + 2) * ld_f16(q + 2);
+    }
+    MM_TAIL
+}
+
+/* 2-bit field of element e of a Q2_K/Q3_K qs[64]. */
+inline int q2_bits(const __global uchar *qs, const int e) { return (qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3; }
+
+/* Q2_K (84 bytes: scales[16] (low: scale, high: min), qs[64], f16 d, f16 dmin) · Q8_K. */
+__kernel void mm_q2_K(MM_ARGS)
+{
+    MM_HEAD
+    for (int b = lid; b < nb; b += L) {
+        const __global uchar *x = wr + (size_t)b * 84, *q = ar + (size_t)b * 292;
+        const __global char *qq = (const __global char *)(q + 4);
+        int sa = 0, sm = 0;
+        for (int s = 0; s < 16; s++) {
+            int t = 0;
+            for (int e = 16 * s; e < 16 * s + 16; e++) t += q2_bits(x + 16, e) * qq[e];
+            sa += (x[s] & 0xF) * t;
+            sm += (x[s] >> 4) * rd_i16(q + 260 + 2 * s);
+        }
+        const float d8 = rd_f32(q);
+        acc += ld_f16(x + 80) * d8 * (float)sa - ld_f16(x + 82) * d8 * (float)sm;
+    }
+    MM_TAIL
+}
+
+/* Q3_K (110 bytes: hmask[32], qs[64], scales[12] (6-bit signed), f16 d) · Q8_K. */
+__kernel void mm_q3_K(MM_ARGS)
+{
+    MM_HEAD
+    for (int b = lid; b < nb; b += L) {
+        const __global uchar *x = wr + (size_t)b * 110, *q = ar + (size_t)b * 292;
+        const __global uchar *hm = x, *qs = x + 32, *sc = x + 96;
+        const __global char *qq = (const __global char *)(q + 4);
+        int sa = 0;
+        for (int s = 0; s < 16; s++) {
+            int t = 0;
+            for (int e = 16 * s; e < 16 * s + 16; e++) {
+                const int v = q2_bits(qs, e) - (((hm[e % 32] >> (e / 32)) & 1) ? 0 : 4);
+                t += v * qq[e];
+            }
+            const int low4 = s < 8 ? (sc[s] & 0xF) : (sc[s - 8] >> 4);
+            const int high2 = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+            sa += ((low4 | high2 << 4) - 32) * t;
+        }
+        acc += ld_f16(x + 108) * rd_f32(q) * (float)sa;
+    }
+    MM_TAIL
+}
+
+/* Q5_K (176 bytes: f16 d, f16 dmin, scales[12], qh[32], qs[128]) · Q8_K. */
+__kernel void mm_q5_K(MM_ARGS)
+{
+    MM_HEAD
+    for (int b = lid; b < nb; b += L) {
+        const __global uchar *x = wr + (size_t)b * 176, *q = ar + (size_t)b * 292;
+        const __global uchar *qh = x + 16, *xs = x + 48;
+        const __global char *qq = (const __global char *)(q + 4);
+        int sa = 0, sm = 0;
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            q4k_scale_min(j, x + 4, &sc, &mn);
+            const __global uchar *c = xs + 32 * (j / 2);
+            const int shift = (j & 1) * 4;
+            int t = 0;
+            for (int l = 0; l < 32; l++) {
+                const int e = 32 * j + l;
+                t += (((c[l] >> shift) & 0xF) + (((qh[l] >> (e / 32)) & 1) << 4)) * qq[e];
+            }
+            sa += sc * t;
+            sm += mn * (rd_i16(q + 260 + 4 * j) + rd_i16(q + 262 + 4 * j));
+        }
+        const float d8 = rd_f32(q);
+        acc += ld_f16(x) * d8 * (float)sa - ld_f16(x + 2) * d8 * (float)sm;
+    }
+    MM_TAIL
+}
+
 /* --- norms, RoPE, elementwise ----------------------------------------------- */
 
 /* RMSNorm of rows (gguf-facts §4.2): y[r] = x[row]·(1/sqrt(mean(x²) + eps))·w,

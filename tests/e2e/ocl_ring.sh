@@ -40,7 +40,7 @@ for p in "${pids[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done; pi
 echo "ok: cpu head / opencl middle / cpu tail reproduces aidreams260K"
 
 # 2. OpenCL rings == one OpenCL process
-for name in llama-f32 llama-q4_k_m qwen3-q8_0 qwen3moe-mixed; do
+for name in llama-f32 llama-mixed llama-q2_k llama-q4_k_m llama-q5_k_m qwen2-mixed qwen3-q8_0 qwen3moe-mixed; do
   one=$(timeout 60 "$BIN" run -m "$D/$name.gguf" -p "Once upon a time" -n 16 --temp 0 --ignore-eos --threads 1 \
     --backend opencl 2>"$tmp/one.log") || fail "$name: single OpenCL process failed"
   ring=$(timeout 90 "$BIN" run --ring 2 -m "$D/$name.gguf" -p "Once upon a time" -n 16 --temp 0 --ignore-eos \

@@ -162,6 +162,10 @@ static void test_ref_llama_f32(void **st) { (void)st; check_ref("llama-f32", tru
 static void test_ref_llama_q4_k_m(void **st) { (void)st; check_ref("llama-q4_k_m", false); }
 static void test_ref_qwen3_q8_0(void **st) { (void)st; check_ref("qwen3-q8_0", false); }
 static void test_ref_qwen3moe_mixed(void **st) { (void)st; check_ref("qwen3moe-mixed", false); }
+static void test_ref_llama_mixed(void **st) { (void)st; check_ref("llama-mixed", false); }
+static void test_ref_llama_q5_k_m(void **st) { (void)st; check_ref("llama-q5_k_m", false); }
+static void test_ref_llama_q2_k(void **st) { (void)st; check_ref("llama-q2_k", false); }
+static void test_ref_qwen2_mixed(void **st) { (void)st; check_ref("qwen2-mixed", false); }
 
 /* Greedy decoding (prefill, then one token per call) reproduces the
  * reference continuation of aidreams260K exactly. */
@@ -331,10 +335,9 @@ static void test_errors(void **st)
     struct kvs_model_params p = kvs_model_default_params();
     p.backend = KVS_BACKEND_OPENCL;
     p.n_ctx = 64;
-    /* types without an OpenCL kernel, and Gated DeltaNet blocks: refused at load */
-    expect_load_error("llama-mixed", &p, KVS_ERR_UNSUPPORTED, "which has no OpenCL kernel");
-    expect_load_error("llama-q5_k_m", &p, KVS_ERR_UNSUPPORTED, "has type Q5_K, which has no OpenCL kernel");
+    /* Gated DeltaNet blocks: refused at load (every weight type the CPU loads has an OpenCL kernel) */
     expect_load_error("qwen35-mixed", &p, KVS_ERR_UNSUPPORTED, "have no OpenCL kernels");
+    expect_load_error("qwen35moe-q4_k", &p, KVS_ERR_UNSUPPORTED, "have no OpenCL kernels");
     /* a device index past the last */
     p.device = 63;
     expect_load_error("aidreams260K", &p, KVS_ERR_NOT_FOUND, "OpenCL device 63 does not exist");
@@ -351,7 +354,9 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_ref_aidreams260K), cmocka_unit_test(test_ref_llama_f32),
         cmocka_unit_test(test_ref_llama_q4_k_m), cmocka_unit_test(test_ref_qwen3_q8_0),
-        cmocka_unit_test(test_ref_qwen3moe_mixed), cmocka_unit_test(test_greedy_aidreams),
+        cmocka_unit_test(test_ref_qwen3moe_mixed), cmocka_unit_test(test_ref_llama_mixed),
+        cmocka_unit_test(test_ref_llama_q5_k_m), cmocka_unit_test(test_ref_llama_q2_k),
+        cmocka_unit_test(test_ref_qwen2_mixed), cmocka_unit_test(test_greedy_aidreams),
         cmocka_unit_test(test_batching_aidreams), cmocka_unit_test(test_batching_qwen3moe),
         cmocka_unit_test(test_window_aidreams), cmocka_unit_test(test_window_qwen3moe),
         cmocka_unit_test(test_errors),

@@ -11,6 +11,7 @@
 #include <cmocka.h>
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,8 +65,11 @@ static void *random_weights(enum kvs_type type, int64_t K, int64_t N, size_t *ro
         for (int64_t i = 0; i < K * N; i++) ((float *)w)[i] = rndf();
         return w;
     }
-    if (type == KVS_TYPE_F16) {
-        for (int64_t i = 0; i < K * N; i++) put_f16(w + 2 * i, rndf());
+    if (type == KVS_TYPE_F16 || type == KVS_TYPE_BF16) {
+        for (int64_t i = 0; i < K * N; i++) {
+            const uint16_t h = type == KVS_TYPE_F16 ? kvs_f32_to_f16(rndf()) : kvs_f32_to_bf16(rndf());
+            memcpy(w + 2 * i, &h, 2);
+        }
         return w;
     }
     for (size_t i = 0; i < rb * (size_t)N; i++) w[i] = (uint8_t)rnd();
@@ -73,18 +77,31 @@ static void *random_weights(enum kvs_type type, int64_t K, int64_t N, size_t *ro
     switch (type) {
     case KVS_TYPE_Q8_0: bsz = 34; break;
     case KVS_TYPE_Q4_0: bsz = 18; break;
+    case KVS_TYPE_Q4_1: bsz = 20; break;
+    case KVS_TYPE_Q5_0: bsz = 22; break;
+    case KVS_TYPE_Q5_1: bsz = 24; break;
+    case KVS_TYPE_Q2_K: bsz = 84; break;
+    case KVS_TYPE_Q3_K: bsz = 110; break;
     case KVS_TYPE_Q4_K: bsz = 144; break;
+    case KVS_TYPE_Q5_K: bsz = 176; break;
     case KVS_TYPE_Q6_K: bsz = 210; break;
     default: fail_msg("type"); return NULL;
     }
     for (size_t b = 0; b < rb * (size_t)N / bsz; b++) {
         uint8_t *blk = w + b * bsz;
         const float d = 0.001f + (float)(rnd() % 1000) * 1e-5f;
+        /* offsets of d (and of the min scale dmin / m) in each layout (gguf-facts §2.3/§2.4) */
         if (type == KVS_TYPE_Q6_K) {
             put_f16(blk + 208, d);
+        } else if (type == KVS_TYPE_Q3_K) {
+            put_f16(blk + 108, d);
+        } else if (type == KVS_TYPE_Q2_K) {
+            put_f16(blk + 80, d);
+            put_f16(blk + 82, d * 0.5f);
         } else {
             put_f16(blk, d);
-            if (type == KVS_TYPE_Q4_K) put_f16(blk + 2, d * 0.5f);
+            if (type == KVS_TYPE_Q4_K || type == KVS_TYPE_Q5_K || type == KVS_TYPE_Q4_1 || type == KVS_TYPE_Q5_1)
+                put_f16(blk + 2, d * 0.5f);
         }
     }
     return w;
@@ -168,17 +185,23 @@ static void check_matmul(enum kvs_type type, int64_t K, int64_t N, int64_t R, in
     free(ref);
 }
 
-static const enum kvs_type types[] = { KVS_TYPE_F32, KVS_TYPE_F16, KVS_TYPE_Q8_0, KVS_TYPE_Q4_0, KVS_TYPE_Q4_K,
-                                       KVS_TYPE_Q6_K };
+static const enum kvs_type types[] = { KVS_TYPE_F32,  KVS_TYPE_F16,  KVS_TYPE_BF16, KVS_TYPE_Q8_0, KVS_TYPE_Q4_0,
+                                       KVS_TYPE_Q4_1, KVS_TYPE_Q5_0, KVS_TYPE_Q5_1, KVS_TYPE_Q2_K, KVS_TYPE_Q3_K,
+                                       KVS_TYPE_Q4_K, KVS_TYPE_Q5_K, KVS_TYPE_Q6_K };
+static bool is_k(enum kvs_type t)
+{
+    return t == KVS_TYPE_Q2_K || t == KVS_TYPE_Q3_K || t == KVS_TYPE_Q4_K || t == KVS_TYPE_Q5_K || t == KVS_TYPE_Q6_K;
+}
+static bool is_float(enum kvs_type t) { return t == KVS_TYPE_F32 || t == KVS_TYPE_F16 || t == KVS_TYPE_BF16; }
 
 static void test_matmul_types(void **st)
 {
     (void)st;
     for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
         const enum kvs_type ty = types[t];
-        const int64_t qk = (ty == KVS_TYPE_Q4_K || ty == KVS_TYPE_Q6_K) ? 256 : 32;
-        /* F32/F16 rows of 172 (as aidreams260K's FFN): not a multiple of anything */
-        const int64_t Ks[3] = { ty == KVS_TYPE_F32 || ty == KVS_TYPE_F16 ? 172 : qk, qk * 3, qk * 67 };
+        const int64_t qk = is_k(ty) ? 256 : 32;
+        /* F32/F16/BF16 rows of 172 (as aidreams260K's FFN): not a multiple of anything */
+        const int64_t Ks[3] = { is_float(ty) ? 172 : qk, qk * 3, qk * 67 };
         const int64_t Ns[3] = { 1, 7, 67 };
         for (int i = 0; i < 3; i++)
             for (int j = 0; j < 3; j++) check_matmul(ty, Ks[i], Ns[j], j == 1 ? 3 : 1, 1);
@@ -189,7 +212,7 @@ static void test_matmul_experts(void **st)
 {
     (void)st;
     for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
-        const int64_t qk = (types[t] == KVS_TYPE_Q4_K || types[t] == KVS_TYPE_Q6_K) ? 256 : 32;
+        const int64_t qk = is_k(types[t]) ? 256 : 32;
         check_matmul(types[t], qk * 3, 5, 3, 8);
     }
 }
@@ -253,8 +276,8 @@ static void test_errors(void **st)
     assert_true(n >= 1);
     assert_string_equal(di[0].name, kvs_ocl_info(C)->name);
     assert_true(di[0].global_mem > 0);
-    assert_false(kvs_ocl_type_supported(KVS_TYPE_Q5_K));
-    assert_false(kvs_ocl_type_supported(KVS_TYPE_BF16));
+    assert_false(kvs_ocl_type_supported(KVS_TYPE_IQ4_NL));
+    assert_false(kvs_ocl_type_supported(KVS_TYPE_Q8_K));
 }
 
 int main(void)
