@@ -61,7 +61,10 @@ float kvs_vec_dot(const struct kvs_kernels *k, enum kvs_type type, int64_t n, co
 
 /* F16 vector updates with round-to-nearest-even results (attention's F16
  * V accumulator): y[i] = f16(y[i] * s), and y[i] = f16(y[i] + x[i] * s)
- * with the product rounded to F32 before the sum (no FMA). */
+ * with, as llama.cpp's CPU flash attention on AVX-512 (ggml's F16 mad:
+ * 64-element vector body, scalar tail), one F32 rounding (FMA) for
+ * i < n - n mod 64 and the product rounded to F32 before the sum for the
+ * last n mod 64. Every ISA gives the same bits. */
 void kvs_vec_f16_scale(const struct kvs_kernels *k, uint16_t *y, float s, int64_t n);
 void kvs_vec_f16_mad(const struct kvs_kernels *k, uint16_t *y, const uint16_t *x, float s, int64_t n);
 

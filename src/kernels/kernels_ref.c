@@ -753,6 +753,9 @@ void kvs_ref_f16_scale(uint16_t *y, float s, int64_t n)
 
 void kvs_ref_f16_mad(uint16_t *y, const uint16_t *x, float s, int64_t n)
 {
-    for (int64_t i = 0; i < n; i++)
+    const int64_t np = n & ~(int64_t)63; /* ggml's AVX-512 body: fused */
+    for (int64_t i = 0; i < np; i++)
+        y[i] = kvs_f32_to_f16(fmaf(kvs_f16_to_f32(x[i]), s, kvs_f16_to_f32(y[i])));
+    for (int64_t i = np; i < n; i++)
         y[i] = kvs_f32_to_f16(kvs_f16_to_f32(y[i]) + kvs_f16_to_f32(x[i]) * s);
 }

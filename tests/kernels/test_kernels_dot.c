@@ -570,7 +570,8 @@ static void test_matmul_multi(void **state)
 }
 
 /* F16 accumulator updates: every ISA equals the scalar reference bit for bit
- * (one F32 rounding per operation, round-to-nearest-even to F16), including
+ * (FMA in the 64-element body, one F32 rounding per operation in the tail,
+ * round-to-nearest-even to F16), including
  * lengths that leave a tail. */
 static void test_f16_vec(void **state)
 {

@@ -480,22 +480,26 @@ static void kvs_avx512_gemm_packed_q8_0(int64_t n, const void *w, size_t w_strid
 
 /* --- F16 vector updates ------------------------------------------------------ */
 
-/* F16 x F16 dot (attention scores against the F16 K cache), 32 per step. */
+/* F16 x F16 dot (attention scores against the F16 K cache) summed as
+ * llama.cpp's CPU flash attention does on AVX-512 (ggml's F16 dot): four
+ * 16-lane FMA accumulators over 64-element steps, folded 0+2, 1+3, 0+1,
+ * then a horizontal add; the n mod 64 tail in double. */
 static float kvs_avx512_dot_f16(int64_t n, const void *w, const void *a)
 {
     const uint16_t *x = w, *y = a;
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        acc0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))),
-                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(y + i))), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i + 16))),
-                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(y + i + 16))), acc1);
+    const int64_t np = n & ~(int64_t)63;
+    double s = 0.0;
+    if (np) {
+        __m512 acc[4] = { _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps() };
+        for (int64_t i = 0; i < np; i += 64)
+            for (int j = 0; j < 4; j++)
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i + 16 * j))),
+                                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(y + i + 16 * j))), acc[j]);
+        s = (double)_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3])));
     }
-    float s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-    for (; i < n; i++)
-        s += KVS_F16(x[i]) * KVS_F16(y[i]);
-    return s;
+    for (int64_t i = np; i < n; i++)
+        s += (double)(KVS_F16(x[i]) * KVS_F16(y[i]));
+    return (float)s;
 }
 
 /* F32 -> F16 rows (round to nearest even), as kvs_ref_quant_f16. */
@@ -522,21 +526,20 @@ static void kvs_avx512_f16_scale(uint16_t *y, float s, int64_t n)
         kvs_ref_f16_scale(y + i, s, n - i);
 }
 
-/* y + x * s with one rounding for the product and one for the sum (no FMA:
- * the scalar reference rounds twice). */
+/* y + x * s: in 64-element steps with one rounding (FMA), the n mod 64
+ * tail with one rounding for the product and one for the sum, as ggml's
+ * F16 mad on AVX-512 (llama.cpp's flash-attention V accumulator). */
 static void kvs_avx512_f16_mad(uint16_t *y, const uint16_t *x, float s, int64_t n)
 {
     const __m512 vs = _mm512_set1_ps(s);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512 p = _mm512_mul_round_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))), vs,
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512 v = _mm512_add_round_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(y + i))), p,
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const int64_t np = n & ~(int64_t)63;
+    for (int64_t i = 0; i < np; i += 16) {
+        __m512 v = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))), vs,
+                                   _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(y + i))));
         _mm256_storeu_si256((__m256i *)(y + i), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
-    if (i < n)
-        kvs_ref_f16_mad(y + i, x + i, s, n - i);
+    if (np < n)
+        kvs_ref_f16_mad(y + np, x + np, s, n - np);
 }
 
 const struct kvs_kernels kvs_kernels_avx512 = {

@@ -67,12 +67,9 @@ void kvs_avx2_ssm_delta_step(float *S, const float *q, const float *kk, const fl
 
 void kvs_avx2_ssm_gated_norm(float *o, const float *z, const float *w, int64_t d, float eps)
 {
-    __m256 ss = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) {
-        __m256 v = _mm256_loadu_ps(o + i);
-        ss = _mm256_fmadd_ps(v, v, ss);
-    }
-    const __m256 sc = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)d + eps));
+    double ss = 0.0; /* as ggml's RMSNorm: float squares summed in double */
+    for (int64_t i = 0; i < d; i++) ss += (double)(o[i] * o[i]);
+    const __m256 sc = _mm256_set1_ps(1.0f / sqrtf((float)(ss / (double)d) + eps));
     for (int64_t i = 0; i < d; i += 8)
         _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(o + i), sc), _mm256_loadu_ps(w + i)));
     for (int64_t i = 0; i < d; i++) o[i] *= silu(z[i]);
