@@ -1,6 +1,7 @@
 /* Chat template detection and rendering: expected strings written by hand
  * from the ChatML and Llama 3 formats; detection on the real template of
- * ../shared/models/qwen3-q8_0.gguf. */
+ * ../shared/models/qwen3-q8_0.gguf; a qwen35 chat against llama.cpp's
+ * rendering and ids. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -247,6 +248,75 @@ static void test_tokenize_qwen3(void **state)
     unload(&f);
 }
 
+/* A qwen35 model (qwen35-mixed.gguf: Qwen3 vocabulary, pre-tokenizer
+ * `qwen35`, the Qwen3 chat template). Expected text and ids are llama.cpp's:
+ * the GGUF's own Jinja template rendered with add_generation_prompt (an
+ * assistant turn before the last user turn is its plain content) and the
+ * rendered text tokenized by libllama with special tokens parsed
+ * (node-llama-cpp 3.22.1, run once by hand). The assistant's Thai word
+ * "ก่อน" (letter U+0E01, mark U+0E48, letters U+0E2D U+0E19) is one word for
+ * `qwen35` (letters and marks, id 126261) but two pieces for `qwen2`
+ * (ids 25200 127510, checked on qwen3-q8_0.gguf below). */
+static const struct kvs_chat_message k_q35[] = {
+    { "system", "R\u00e9ponds bri\u00e8vement." },
+    { "user", "\u0928\u092e\u0938\u094d\u0924\u0947! Cafe\u0301 \u2014 what is 2+2?" },
+    { "assistant", "\u0e01\u0e48\u0e2d\u0e19 4." },
+    { "user", "And\tthe 3rd  ( x10 )?" },
+};
+
+static void test_tokenize_qwen35(void **state)
+{
+    (void)state;
+    struct tok_fixture f;
+    load(&f, "models/qwen35-mixed.gguf");
+    const char *sh = getenv("KVASIR_SHARED");
+    char path[1024];
+    snprintf(path, sizeof path, "%s/models/qwen35-mixed.gguf", sh && *sh ? sh : "../shared");
+    size_t tlen = 0;
+    char *tpl = read_template(path, &tlen);
+    assert_non_null(tpl);
+    assert_int_equal(kvs_chat_detect(tpl, tlen), KVS_CHAT_CHATML);
+    free(tpl);
+
+    static const char want_text[] =
+        "<|im_start|>system\nR\u00e9ponds bri\u00e8vement.<|im_end|>\n"
+        "<|im_start|>user\n\u0928\u092e\u0938\u094d\u0924\u0947! Cafe\u0301 \u2014 what is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n\u0e01\u0e48\u0e2d\u0e19 4.<|im_end|>\n"
+        "<|im_start|>user\nAnd\tthe 3rd  ( x10 )?<|im_end|>\n"
+        "<|im_start|>assistant\n";
+    char text[1024];
+    long len = kvs_chat_render(KVS_CHAT_CHATML, k_q35, 4, true, text, sizeof text);
+    assert_int_equal(len, (long)strlen(want_text));
+    assert_string_equal(text, want_text);
+
+    static const int32_t want[] = {
+        151644, 8948,   198,    84836,  3511,  82,     39468,  4458,   7830,   13,     151645, 198,    151644,
+        872,    198,    60096,  87244,  78368, 30484,  97,     34370,  0,      42773,  53839,  1959,   1128,
+        374,    220,    17,     10,     17,    30,     151645, 198,    151644, 77091,  198,    126261, 220,
+        19,     13,     151645, 198,    151644, 872,    198,    3036,   32088,  220,    18,     6498,   220,
+        320,    856,    16,     15,     873,   30,     151645, 198,    151644, 77091,  198,
+    };
+    int32_t ids[256];
+    int64_t n = kvs_chat_tokenize(KVS_CHAT_CHATML, f.t, k_q35, 4, true, false, ids, 256);
+    expect_ids(ids, n, want, sizeof want / sizeof want[0]);
+    /* The same ids from the rendered text with special parsing. */
+    n = kvs_tokenize(f.t, text, (size_t)len, false, true, ids, 256);
+    expect_ids(ids, n, want, sizeof want / sizeof want[0]);
+    unload(&f);
+
+    /* The qwen2 pre-type splits the Thai word: the only difference. */
+    load(&f, "models/qwen3-q8_0.gguf");
+    n = kvs_chat_tokenize(KVS_CHAT_CHATML, f.t, k_q35, 4, true, false, ids, 256);
+    const size_t at = 37; /* index of 126261 in want */
+    assert_int_equal(want[at], 126261);
+    assert_int_equal(n, (int64_t)(sizeof want / sizeof want[0]) + 1);
+    for (size_t i = 0; i < at; i++) assert_int_equal(ids[i], want[i]);
+    assert_int_equal(ids[at], 25200);
+    assert_int_equal(ids[at + 1], 127510);
+    for (size_t i = at + 1; i < sizeof want / sizeof want[0]; i++) assert_int_equal(ids[i + 1], want[i]);
+    unload(&f);
+}
+
 /* Llama 3's tokenizer (tokenizer-tests/vocab-llama3.gguf), ids by hand:
  * <|begin_of_text|> 128000, <|start_header_id|> 128006, <|end_header_id|>
  * 128007, <|eot_id|> 128009, "user" 882, "\n\n" 271, "Hi" 13347,
@@ -298,7 +368,8 @@ int main(void)
         cmocka_unit_test(test_from_name),
         cmocka_unit_test(test_detect), cmocka_unit_test(test_chatml),         cmocka_unit_test(test_llama3),
         cmocka_unit_test(test_errors), cmocka_unit_test(test_qwen3_template), cmocka_unit_test(test_tokenize_qwen3),
-        cmocka_unit_test(test_tokenize_llama3), cmocka_unit_test(test_tokenize_no_specials),
+        cmocka_unit_test(test_tokenize_qwen35), cmocka_unit_test(test_tokenize_llama3),
+        cmocka_unit_test(test_tokenize_no_specials),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
