@@ -147,7 +147,10 @@ void kvs_matmul_multi(const struct kvs_kernels *k, struct kvs_pool *pool, int n,
 
 /* --- Gated DeltaNet (qwen35, qwen35moe): ../shared/docs/qwen35-facts.md §3.2 ---
  * Scalar references kvs_ref_ssm_* (kernels_ssm.c) beside SIMD paths (AVX2,
- * AVX-512; other ISAs use the reference); tests compare them. F32 throughout,
+ * AVX-512, NEON; other ISAs use the reference); tests compare them. The delta
+ * rule sums its dot products in the order of ggml's F32 dot on that ISA (what
+ * llama.cpp's fused op calls), the gated norm its squares in double as
+ * ggml's RMSNorm; the scalar reference sums in order. F32 throughout,
  * nothing allocates. */
 
 /* Causal depthwise conv of one token over channels [c0, c1) of C, kernel K

@@ -1,5 +1,5 @@
 /* Gated DeltaNet kernels (../shared/docs/qwen35-facts.md §3.2 steps 3, 7, 8):
- * scalar references and the dispatch to the ISA paths. */
+ * scalar references and the dispatch to the ISA paths (AVX2, AVX-512, NEON). */
 #include <math.h>
 #include <string.h>
 
@@ -59,6 +59,11 @@ void kvs_ssm_conv_step(const struct kvs_kernels *k, float *state, const float *w
         kvs_avx2_ssm_conv_step(state, wt, x, y, c0, c1, C, K);
         return;
     }
+#elif defined(__aarch64__)
+    if (kvs_kernels_isa(k) == KVS_ISA_NEON) {
+        kvs_neon_ssm_conv_step(state, wt, x, y, c0, c1, C, K);
+        return;
+    }
 #endif
     (void)k;
     kvs_ref_ssm_conv_step(state, wt, x, y, c0, c1, C, K);
@@ -77,6 +82,11 @@ void kvs_ssm_delta_step(const struct kvs_kernels *k, float *S, const float *q, c
         kvs_avx2_ssm_delta_step(S, q, kk, v, decay, beta, scale, o, d);
         return;
     }
+#elif defined(__aarch64__)
+    if (kvs_kernels_isa(k) == KVS_ISA_NEON && d % 4 == 0) {
+        kvs_neon_ssm_delta_step(S, q, kk, v, decay, beta, scale, o, d);
+        return;
+    }
 #endif
     (void)k;
     kvs_ref_ssm_delta_step(S, q, kk, v, decay, beta, scale, o, d);
@@ -89,6 +99,11 @@ void kvs_ssm_gated_norm(const struct kvs_kernels *k, float *o, const float *z, c
     enum kvs_isa isa = kvs_kernels_isa(k);
     if ((isa == KVS_ISA_AVX2 || isa == KVS_ISA_AVX512) && d % 8 == 0) {
         kvs_avx2_ssm_gated_norm(o, z, w, d, eps);
+        return;
+    }
+#elif defined(__aarch64__)
+    if (kvs_kernels_isa(k) == KVS_ISA_NEON && d % 4 == 0) {
+        kvs_neon_ssm_gated_norm(o, z, w, d, eps);
         return;
     }
 #endif
