@@ -55,6 +55,7 @@ static void join_usage(FILE *f)
 struct pick {
     char model[KVS_MARKET_NAME_MAX];
     char fingerprint[65];
+    char content_id[65]; /* the listing's, "" if none: the fetch and the stage check the weights against it */
     char url[KVS_MARKET_URL_MAX], index[KVS_MARKET_URL_MAX];
     uint32_t n_block, ring, begin, end, ctx, seqs;
     bool boundary_f32;
@@ -326,6 +327,7 @@ static enum serve_end serve(struct node *n, const char *shard)
     p.n_seq = (int32_t)n->pk.seqs;
     p.boundary_f32 = n->pk.boundary_f32;
     p.fingerprint = n->pk.fingerprint[0] ? n->pk.fingerprint : NULL;
+    p.content_id = n->pk.content_id[0] ? n->pk.content_id : NULL;
     /* Node keys are not yet published in claims and checked against the map (docs/MARKET.md,
      * "Known limits"): a market-formed ring's links are plaintext for now, and say so. */
     p.insecure = true;
@@ -492,6 +494,7 @@ static int choose(struct node *n, bool *waiting_logged)
     struct pick *pk = &n->pk;
     snprintf(pk->model, sizeof pk->model, "%s", l->name);
     snprintf(pk->fingerprint, sizeof pk->fingerprint, "%s", l->fingerprint);
+    snprintf(pk->content_id, sizeof pk->content_id, "%s", l->content_id);
     snprintf(pk->url, sizeof pk->url, "%s", l->url);
     snprintf(pk->index, sizeof pk->index, "%s", l->index);
     pk->n_block = l->n_block;
@@ -521,6 +524,7 @@ static kvs_err fetch(struct node *n, char *out, size_t cap)
     fp.end = n->pk.end;
     fp.out_path = out;
     fp.progress = 0;
+    fp.content_id = n->pk.content_id[0] ? n->pk.content_id : NULL; /* the listing is the trust root */
     fp.initial_header = 64 * 1024; /* grows while the header is incomplete: a small model's first read
                                       must not be the whole file */
     char ix[KVS_MARKET_URL_MAX + 32];
@@ -541,9 +545,11 @@ static kvs_err fetch(struct node *n, char *out, size_t cap)
     }
     /* one line on stdout that tests and operators can read */
     printf("join: fetched %s [%u,%u): header_bytes=%" PRIu64 " data_bytes=%" PRIu64 " window_bytes=%" PRIu64
-           " header_reused_bytes=%" PRIu64 " skipped_bytes=%" PRIu64 " verified=%s ms=%" PRId64 " -> %s\n",
+           " header_reused_bytes=%" PRIu64 " skipped_bytes=%" PRIu64 " verified=%s trusted=%s ms=%" PRId64 " -> %s\n",
            n->pk.model, n->pk.begin, n->pk.end, st.header_bytes, st.data_bytes, st.window_bytes, st.header_reused_bytes,
-           st.skipped_bytes, st.verified ? "yes" : "no", mono_ms() - t0, out);
+           st.skipped_bytes, st.verified ? "yes" : "no", st.trusted ? "yes" : "no", mono_ms() - t0, out);
+    if (!st.verified)
+        KVS_LOGW("join: %s [%u,%u) is UNVERIFIED: the seed has no shard index", n->pk.model, n->pk.begin, n->pk.end);
     fflush(stdout);
     return KVS_OK;
 }

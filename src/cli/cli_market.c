@@ -18,6 +18,7 @@ static void market_usage(FILE *f)
 {
     fprintf(f, "usage: kvasir market --listen HOST:PORT --db market.sqlite [--lease-ms MS] [--max-body BYTES]\n"
                "       kvasir market add --market URL --url MODEL_URL [--name NAME] [--index INDEX_URL] [--rings N]\n"
+               "                         [--content-id HEX]  (`kvasir shard index` prints it: nodes fetch against it)\n"
                "                         [--ctx N] [--seqs S] [--boundary f32|f16]\n"
                "  the service: listings, claims with leases, GET /map (JSON), GET / (the map page), GET /v1/rings\n"
                "  --lease-ms MS    lease of a claim and of each renewal (default %d; tests use short ones)\n"
@@ -47,6 +48,7 @@ static int market_add(int argc, char **argv)
         else if (!strcmp(a, "--url")) json_object_set_new(o, "url", json_string(v));
         else if (!strcmp(a, "--name")) json_object_set_new(o, "name", json_string(v));
         else if (!strcmp(a, "--index")) json_object_set_new(o, "index", json_string(v));
+        else if (!strcmp(a, "--content-id")) json_object_set_new(o, "content_id", json_string(v));
         else if (!strcmp(a, "--boundary")) json_object_set_new(o, "boundary", json_string(v));
         else if (!strcmp(a, "--rings") || !strcmp(a, "--ctx") || !strcmp(a, "--seqs")) {
             if (kvs_cli_parse_long(v, 0, 1 << 24, &n)) {

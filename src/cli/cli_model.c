@@ -79,7 +79,7 @@ int kvs_cli_model_cache_path(const char *cache, const char *url, uint32_t begin,
 
 /* A finished cache file: renamed into place only after a complete, checked
  * fetch, so existing and opening with the right window is enough. */
-static bool cached_ok(const char *path, uint32_t begin, uint32_t end)
+static bool cached_ok(const char *path, uint32_t begin, uint32_t end, const char *content_id)
 {
     struct stat sb;
     if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) return false;
@@ -92,12 +92,19 @@ static bool cached_ok(const char *path, uint32_t begin, uint32_t end)
     uint32_t b = 0, e = 0, n = 0;
     bool ok = kvs_shard_window(g, &b, &e) && kvs_shard_block_count(g, &n) == KVS_OK &&
               (begin == 0 && end == 0 ? (b == 0 && e == n) : (b == begin && e == end));
+    if (ok && content_id && content_id[0]) { /* the manifest names the weights: the cache must hold them */
+        uint8_t cid[32];
+        char hex[65] = "";
+        if (kvs_shard_content_id(g, cid, msg, sizeof msg) == KVS_OK) kvs_shard_hex(cid, hex);
+        ok = strcmp(hex, content_id) == 0;
+        if (!ok) KVS_LOGI("model: the cached %s is not of content id %.16s...: fetching it again", path, content_id);
+    }
     kvs_gguf_close(g);
     return ok;
 }
 
 static int fetch_model(const char *who, const char *url, const char *cache, uint32_t begin, uint32_t end,
-                       const char *const *headers, size_t n_headers, char *out, size_t cap)
+                       const char *content_id, const char *const *headers, size_t n_headers, char *out, size_t cap)
 {
     char dir[4096];
     if (kvs_cli_cache_dir(cache, dir, sizeof dir) != 0) {
@@ -110,7 +117,7 @@ static int fetch_model(const char *who, const char *url, const char *cache, uint
     }
     char win[64] = "the whole model";
     if (begin || end) snprintf(win, sizeof win, "window [%u,%u)", (unsigned)begin, (unsigned)end);
-    if (cached_ok(out, begin, end)) {
+    if (cached_ok(out, begin, end, content_id)) {
         KVS_LOGI("model: %s of %s is cached in %s: nothing to download", win, url, out);
         return 0;
     }
@@ -131,6 +138,7 @@ static int fetch_model(const char *who, const char *url, const char *cache, uint
     fp.out_path = out;
     fp.index = ixurl;
     fp.index_optional = true;
+    fp.content_id = content_id && content_id[0] ? content_id : NULL; /* the manifest's: the trust root */
     fp.headers = headers;
     fp.n_headers = n_headers;
     struct kvs_shard_fetch_stats st;
@@ -152,9 +160,11 @@ static int fetch_model(const char *who, const char *url, const char *cache, uint
     return 0;
 }
 
-/* The window of `stage`: --window B:E, or --manifest FILE --rank R; 0,0 = whole. */
-static int stage_window(int argc, char **argv, uint32_t *begin, uint32_t *end)
+/* The window of `stage`: --window B:E, or --manifest FILE --rank R; 0,0 = whole.
+ * cid[65] gets the manifest's content id ("" without one). */
+static int stage_window(int argc, char **argv, uint32_t *begin, uint32_t *end, char cid[65])
 {
+    cid[0] = '\0';
     const char *window = NULL, *manifest = NULL;
     long rank = -1;
     for (int i = 1; i + 1 < argc; i++) {
@@ -171,6 +181,7 @@ static int stage_window(int argc, char **argv, uint32_t *begin, uint32_t *end)
             free(man);
             return 0; /* the stage reports the manifest's error */
         }
+        snprintf(cid, 65, "%s", man->content_id);
         for (size_t r = 0; r < man->n_ranks; r++)
             if (man->ranks[r].rank == (uint32_t)rank) {
                 *begin = man->ranks[r].begin;
@@ -238,8 +249,9 @@ int kvs_cli_model_args(const char *who, int *argc, char **argv, struct kvs_cli_m
         headers[n_headers++] = st->auth;
     }
     uint32_t begin = 0, end = 0;
-    if (!strcmp(who, "stage") && stage_window(*argc, argv, &begin, &end) != 0) return 0; /* stage reports it */
-    int rc = fetch_model(who, url, cache, begin, end, headers, n_headers, st->path, sizeof st->path);
+    char cid[65] = "";
+    if (!strcmp(who, "stage") && stage_window(*argc, argv, &begin, &end, cid) != 0) return 0; /* stage reports it */
+    int rc = fetch_model(who, url, cache, begin, end, cid, headers, n_headers, st->path, sizeof st->path);
     if (rc) return rc;
     argv[url_at] = st->path;
     return 0;

@@ -9,6 +9,7 @@
 #include "cli/cli.h"
 #include "gguf/gguf.h"
 #include "plan/plan.h"
+#include "shard/shard.h"
 
 static void plan_usage(FILE *f)
 {
@@ -17,8 +18,11 @@ static void plan_usage(FILE *f)
                "Places the model's blocks on the devices as a ring of contiguous windows (fastest predicted\n"
                "decode that fits in memory) and writes the rank manifest for `kvasir stage --manifest`.\n"
                "\n"
-               "  -m, --model PATH     GGUF model (only its header is read)\n"
+               "  -m, --model PATH     GGUF model (its header; its data is hashed once for the content id)\n"
                "  -m URL, --url URL    GGUF over HTTP (header only, range requests: nothing else is downloaded)\n"
+               "  --content-id HEX     the model's content id for the manifest (`kvasir shard index` prints it):\n"
+               "                       stages and fetches check the weights against it (docs/FORMATS.md);\n"
+               "                       with -m PATH it is computed (and a given one checked)\n"
                "  --devices PATH       device inventory JSON (docs/PLAN.md)\n"
                "  --ctx N              context tokens per sequence (default min(model's, 4096))\n"
                "  --seqs S             concurrent sequences (default 1)\n"
@@ -52,7 +56,7 @@ static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
 
 int kvs_cli_plan(int argc, char **argv)
 {
-    const char *model = NULL, *url = NULL, *devices = NULL, *outp = NULL, *relay_secret = NULL;
+    const char *model = NULL, *url = NULL, *devices = NULL, *outp = NULL, *relay_secret = NULL, *cid = NULL;
     struct kvs_plan_targets t = kvs_plan_default_targets();
     bool ctx_given = false;
     for (int i = 1; i < argc; i++) {
@@ -76,6 +80,8 @@ int kvs_cli_plan(int argc, char **argv)
             url = v;
         else if (!strcmp(a, "--devices"))
             devices = v;
+        else if (!strcmp(a, "--content-id"))
+            cid = v;
         else if (!strcmp(a, "--relay-secret"))
             relay_secret = v;
         else if (!strcmp(a, "-o") || !strcmp(a, "--out"))
@@ -155,6 +161,30 @@ int kvs_cli_plan(int argc, char **argv)
     if ((e = kvs_plan_model_from_gguf(g, &m, err, sizeof err))) {
         fprintf(stderr, "kvasir plan: model: %s (%s)\n", err, kvs_strerror(e));
         goto done;
+    }
+    /* The content id for the manifest: given, or hashed from a local file (one read of its data). */
+    uint8_t cidb[32];
+    if (cid) {
+        if (!kvs_shard_unhex(cid, strlen(cid), cidb)) {
+            fprintf(stderr, "kvasir plan: --content-id must be 64 hex digits\n");
+            rc = 2;
+            goto done;
+        }
+        kvs_shard_hex(cidb, m->content_id);
+        if (model && kvs_shard_content_id(g, cidb, err, sizeof err) == KVS_OK) {
+            char have[65];
+            kvs_shard_hex(cidb, have);
+            if (strcmp(have, m->content_id)) {
+                fprintf(stderr, "kvasir plan: %s holds other weights (content id %.16s...) than --content-id\n",
+                        model, have);
+                rc = 1;
+                goto done;
+            }
+        }
+    } else if (model) {
+        if (kvs_shard_content_id(g, cidb, err, sizeof err) == KVS_OK)
+            kvs_shard_hex(cidb, m->content_id);
+        err[0] = '\0';
     }
     if (!ctx_given) /* like run/serve/stage: never plan KV for more than the model's context */
         t.ctx = kvs_plan_default_ctx(m);

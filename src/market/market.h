@@ -57,6 +57,8 @@ struct kvs_market_listing_req {
     char name[KVS_MARKET_NAME_MAX];
     char url[KVS_MARKET_URL_MAX];     /* http:// or https:// URL of the full GGUF */
     char index[KVS_MARKET_URL_MAX];   /* shard index URL or "" */
+    char content_id[65];              /* the model's content id (docs/FORMATS.md), 64 lower-case hex, or "":
+                                       * nodes fetch against it (the listing, not the seed, is the trust root) */
     uint32_t rings;                   /* 1..KVS_MARKET_MAX_RINGS */
     uint32_t ctx;                     /* 0 or 1..16777216 */
     uint32_t seqs;                    /* 1..4096 */
@@ -204,6 +206,7 @@ struct kvs_market_listing {
     char fingerprint[65];
     char url[KVS_MARKET_URL_MAX];
     char index[KVS_MARKET_URL_MAX];
+    char content_id[65];              /* "" if the listing names none */
     uint32_t n_block, rings, ctx, seqs;
     bool boundary_f32;
     double demand;

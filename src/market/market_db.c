@@ -300,13 +300,14 @@ static kvs_err handle_add_listing(struct kvs_market *m, const char *body, size_t
     kvs_gguf_close(g);
     free(buf);
     if (e) return reply_error(r, 502, "header", "%s: not a model the planner can profile: %s", q.url, err);
+    snprintf(pm->content_id, sizeof pm->content_id, "%s", q.content_id); /* kept in the profile */
     e = kvs_market_add_listing(m, &q, pm, err, sizeof err);
     json_t *j = NULL;
     if (!e)
-        j = json_pack("{ss ss sI ss ss sI sI sI ss}", "name", q.name, "fingerprint", pm->fingerprint, "n_block",
+        j = json_pack("{ss ss sI ss ss sI sI sI ss ss*}", "name", q.name, "fingerprint", pm->fingerprint, "n_block",
                       (json_int_t)pm->n_block, "url", q.url, "index", q.index, "rings", (json_int_t)q.rings, "ctx",
                       (json_int_t)(q.ctx ? q.ctx : kvs_plan_default_ctx(pm)), "seqs", (json_int_t)q.seqs, "boundary",
-                      q.boundary_f32 ? "f32" : "f16");
+                      q.boundary_f32 ? "f32" : "f16", "content_id", q.content_id[0] ? q.content_id : NULL);
     free(pm);
     if (e == KVS_ERR_MISMATCH) return reply_error(r, 409, "exists", "%s", err);
     if (e) return reply_error(r, 500, "database", "%s", err);
@@ -648,8 +649,9 @@ static json_t *build_map(struct kvs_market *m, int64_t now)
                                                  ready ? api : NULL, "claims", per_ring_claims[ri], "gaps", gaps));
         }
         json_array_append_new(
-            models, json_pack("{ss ss sI ss ss sI sI sI ss s{sI sf sf} so* so}", "name", name, "fingerprint",
-                              col_text(ls, 1), "n_block", (json_int_t)n_block, "url", col_text(ls, 3), "index",
+            models, json_pack("{ss ss sO* sI ss ss sI sI sI ss s{sI sf sf} so* so}", "name", name, "fingerprint",
+                              col_text(ls, 1), "content_id", json_object_get(profile, "content_id"),
+                              "n_block", (json_int_t)n_block, "url", col_text(ls, 3), "index",
                               col_text(ls, 4), "rings", (json_int_t)rings, "ctx", (json_int_t)sqlite3_column_int(ls, 6),
                               "seqs", (json_int_t)sqlite3_column_int(ls, 7), "boundary", col_text(ls, 8), "demand",
                               "queued", (json_int_t)queued, "tps", tps, "value", demand, "profile", profile, "coverage",

@@ -123,6 +123,15 @@ static kvs_err get_uint(json_t *o, const char *key, bool required, long long lo,
     return KVS_OK;
 }
 
+/* 64 lower-case hex digits (a content id, docs/FORMATS.md). */
+static bool valid_cid(const char *s)
+{
+    size_t n = 0;
+    for (; s[n]; n++)
+        if (!((s[n] >= '0' && s[n] <= '9') || (s[n] >= 'a' && s[n] <= 'f'))) return false;
+    return n == 64;
+}
+
 kvs_err kvs_market_parse_listing(const char *text, size_t len, struct kvs_market_listing_req *r, char *errbuf,
                                  size_t errlen)
 {
@@ -136,6 +145,7 @@ kvs_err kvs_market_parse_listing(const char *text, size_t len, struct kvs_market
     if ((e = get_str(o, "url", true, r->url, sizeof r->url, errbuf, errlen)) ||
         (e = get_str(o, "name", false, r->name, sizeof r->name, errbuf, errlen)) ||
         (e = get_str(o, "index", false, r->index, sizeof r->index, errbuf, errlen)) ||
+        (e = get_str(o, "content_id", false, r->content_id, sizeof r->content_id, errbuf, errlen)) ||
         (e = get_uint(o, "rings", false, 1, KVS_MARKET_MAX_RINGS, &r->rings, errbuf, errlen)) ||
         (e = get_uint(o, "ctx", false, 0, 16777216, &r->ctx, errbuf, errlen)) ||
         (e = get_uint(o, "seqs", false, 1, 4096, &r->seqs, errbuf, errlen)) ||
@@ -151,6 +161,10 @@ kvs_err kvs_market_parse_listing(const char *text, size_t len, struct kvs_market
     }
     if (strcmp(boundary, "f16") && strcmp(boundary, "f32")) {
         e = fail(KVS_ERR_FORMAT, errbuf, errlen, "field 'boundary' must be \"f16\" or \"f32\"");
+        goto out;
+    }
+    if (r->content_id[0] && !valid_cid(r->content_id)) {
+        e = fail(KVS_ERR_FORMAT, errbuf, errlen, "field 'content_id' must be 64 lower-case hex digits");
         goto out;
     }
     r->boundary_f32 = !strcmp(boundary, "f32");
@@ -309,6 +323,7 @@ char *kvs_market_profile_json(const struct kvs_plan_model *m)
                           (json_int_t)m->tail_bytes, "tail_stream", (json_int_t)m->tail_stream_bytes, "tied",
                           (json_int_t)m->tied_bytes, "blocks", blocks);
     if (!o) return NULL;
+    if (m->content_id[0]) json_object_set_new(o, "content_id", json_string(m->content_id));
     char *s = json_dumps(o, JSON_COMPACT);
     json_decref(o);
     return s;
@@ -338,6 +353,10 @@ static kvs_err profile_from(json_t *o, struct kvs_plan_model *m, char *errbuf, s
     m->n_embd = (uint32_t)ne;
     m->n_vocab = (uint32_t)nv;
     m->ctx_train = (uint32_t)ct;
+    json_t *cid = json_object_get(o, "content_id");
+    if (cid && (!json_is_string(cid) || json_string_length(cid) != 64 || !valid_cid(json_string_value(cid))))
+        return fail(KVS_ERR_FORMAT, errbuf, errlen, "profile: 'content_id' must be 64 lower-case hex digits");
+    if (cid) memcpy(m->content_id, json_string_value(cid), 65);
     json_t *b = json_object_get(o, "blocks");
     if (!json_is_array(b) || json_array_size(b) != nb)
         return fail(KVS_ERR_FORMAT, errbuf, errlen, "profile: 'blocks' must be an array of n_block entries");
@@ -405,6 +424,7 @@ static kvs_err parse_listing(json_t *o, struct kvs_market_listing *l, char *errb
     if (l->profile->n_block != l->n_block)
         return fail(KVS_ERR_FORMAT, errbuf, errlen, "map: %s: profile has another block count", l->name);
     snprintf(l->profile->fingerprint, sizeof l->profile->fingerprint, "%s", l->fingerprint);
+    snprintf(l->content_id, sizeof l->content_id, "%s", l->profile->content_id);
     json_t *rings = json_object_get(o, "coverage");
     if (!json_is_array(rings)) return fail(KVS_ERR_FORMAT, errbuf, errlen, "map: %s: no coverage", l->name);
     size_t nc = 0, ng = 0, ri;

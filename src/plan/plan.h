@@ -73,6 +73,8 @@ struct kvs_plan_model {
     uint32_t n_embd;            /* boundary width */
     uint32_t n_vocab;           /* logits width (tail buffer) */
     char fingerprint[65];       /* lower-case hex, or "" if unknown */
+    char content_id[65];        /* content id (docs/FORMATS.md), lower-case hex, or "" if unknown:
+                                   set by the caller (the header alone cannot give it) */
     uint32_t ctx_train;         /* `{arch}.context_length`, 0 if absent */
 };
 
@@ -269,6 +271,7 @@ struct kvs_manifest {
     char model_path[1024];      /* "" if null */
     char model_url[1024];       /* "" if null */
     char fingerprint[65];       /* "" if absent */
+    char content_id[65];        /* model.content_id: 64 lower-case hex, "" if absent */
     uint32_t n_block;
     uint32_t ctx;               /* targets.ctx (1..16777216), 0 if "targets" is absent */
     uint32_t seqs;              /* targets.seqs (1..4096), 0 if absent */

@@ -319,6 +319,8 @@ kvs_err kvs_plan_manifest_json(const struct kvs_plan_model *m, const struct kvs_
     json_object_set_new(model, "path", model_path ? json_string(model_path) : json_null());
     json_object_set_new(model, "url", model_url ? json_string(model_url) : json_null());
     json_object_set_new(model, "fingerprint", json_string(m->fingerprint));
+    if (m->content_id[0])
+        json_object_set_new(model, "content_id", json_string(m->content_id));
     json_object_set_new(model, "n_block", json_integer(m->n_block));
     json_object_set_new(root, "model", model);
     model = NULL;
@@ -447,6 +449,15 @@ kvs_err kvs_manifest_parse(const char *text, size_t len, struct kvs_manifest *mf
         !opt_str(model, "url", mf->model_url, sizeof mf->model_url) ||
         !opt_str(model, "fingerprint", mf->fingerprint, sizeof mf->fingerprint)) {
         kvs_plan_seterr(errbuf, errlen, "manifest: \"model\" path/url/fingerprint must be strings or null");
+        goto out;
+    }
+    bool cid_ok = opt_str(model, "content_id", mf->content_id, sizeof mf->content_id) &&
+                  (!mf->content_id[0] || strlen(mf->content_id) == 64);
+    for (size_t i = 0; cid_ok && mf->content_id[i]; i++)
+        cid_ok = (mf->content_id[i] >= '0' && mf->content_id[i] <= '9') ||
+                 (mf->content_id[i] >= 'a' && mf->content_id[i] <= 'f');
+    if (!cid_ok) {
+        kvs_plan_seterr(errbuf, errlen, "manifest: \"model\".\"content_id\" must be 64 lower-case hex digits or null");
         goto out;
     }
     json_t *targ = json_object_get(root, "targets");

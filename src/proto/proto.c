@@ -7,7 +7,7 @@
 #include <string.h>
 
 static_assert(KVS_PROTO_HEADER_BYTES == 24, "PROTOCOL.md §2: the header is 24 bytes");
-static_assert(KVS_PROTO_HELLO_BYTES == 32 + 8 * 4, "PROTOCOL.md §3.1");
+static_assert(KVS_PROTO_HELLO_BYTES == 32 + 8 * 4 + 32, "PROTOCOL.md §3.1");
 static_assert(KVS_PROTO_REQ_FIXED_BYTES == 10 * 4, "PROTOCOL.md §3.2");
 static_assert(KVS_FRAME_KIND_COUNT_ == 10, "PROTOCOL.md §3: kinds 1..9");
 
@@ -159,6 +159,7 @@ void kvs_proto_put_hello(uint8_t out[KVS_PROTO_HELLO_BYTES], const struct kvs_he
     kvs_proto_put_u32(out + 52, m->n_ctx);
     kvs_proto_put_u32(out + 56, m->n_seq);
     kvs_proto_put_u32(out + 60, m->n_batch);
+    memcpy(out + 64, m->content_id, 32);
 }
 
 void kvs_proto_get_hello(const struct kvs_frame *f, struct kvs_hello *m)
@@ -173,6 +174,7 @@ void kvs_proto_get_hello(const struct kvs_frame *f, struct kvs_hello *m)
     m->n_ctx = kvs_proto_get_u32(p + 52);
     m->n_seq = kvs_proto_get_u32(p + 56);
     m->n_batch = kvs_proto_get_u32(p + 60);
+    memcpy(m->content_id, p + 64, 32);
 }
 
 size_t kvs_proto_req_bytes(uint32_t n_stop, uint32_t n_prompt)

@@ -23,7 +23,7 @@
 #define KVS_PROTO_MAX_TOKENS 65536u        /* cap on n_tokens of any frame (§2) */
 #define KVS_PROTO_MAX_STOP 16u             /* stop (end-of-generation) ids per request */
 #define KVS_PROTO_MAX_ERRMSG 1024u         /* bytes of an ERROR message */
-#define KVS_PROTO_HELLO_BYTES 64u          /* HELLO payload (§3.1) */
+#define KVS_PROTO_HELLO_BYTES 96u          /* HELLO payload (§3.1) */
 #define KVS_PROTO_REQ_FIXED_BYTES 40u      /* REQUEST_START fixed part (§3.2) */
 #define KVS_PROTO_TOKEN_BYTES 8u           /* TOKEN payload (§3.5) */
 #define KVS_PROTO_TRAIL_REC_BYTES 56u      /* one record of a probe trail (§3.8.1, revision 1.1) */
@@ -98,6 +98,8 @@ struct kvs_hello {
     uint32_t n_ctx;          /* sender's positions per sequence */
     uint32_t n_seq;          /* sender's sequence slots */
     uint32_t n_batch;        /* sender's most rows per forward / PREFILL frame (version 3) */
+    uint8_t content_id[32];  /* the model's content id (docs/FORMATS.md "Content id"); all zero =
+                              * unknown (a shard fetched without an index) (version 3) */
 };
 
 /* REQUEST_START fixed fields (§3.2); prompt ids and stop ids follow. */

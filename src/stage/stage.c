@@ -72,6 +72,7 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
     s->p.next = s->next_addr;
     s->p.model_path = NULL;
     s->p.fingerprint = NULL;
+    s->p.content_id = NULL;
 
     if ((e = kvs_gguf_open(p->model_path, &s->g, err, sizeof err))) goto fail;
     if ((e = kvs_gguf_fingerprint(s->g, s->fp))) {
@@ -84,6 +85,29 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
                  p->fingerprint);
         e = KVS_ERR_MISMATCH;
         goto fail;
+    }
+    {
+        /* The weights' identity, for HELLO: a full model hashes its data section (a shard
+         * records the id its fetch verified, or none). */
+        char cmsg[256] = "";
+        kvs_err ce = kvs_shard_content_id(s->g, s->cid, cmsg, sizeof cmsg);
+        if (ce == KVS_OK) {
+            kvs_shard_hex(s->cid, s->cid_hex);
+        } else if (ce == KVS_ERR_NOT_FOUND) {
+            memset(s->cid, 0, sizeof s->cid);
+            KVS_LOGW("stage: %s: %s: neighbours cannot tell its weights from others of the same shapes",
+                     p->model_path, cmsg);
+        } else {
+            snprintf(err, sizeof err, "%s: %s", p->model_path, cmsg);
+            e = ce;
+            goto fail;
+        }
+        if (p->content_id && p->content_id[0] && s->cid_hex[0] && strcmp(p->content_id, s->cid_hex)) {
+            snprintf(err, sizeof err, "%s holds other weights (content id %.16s...) than the manifest expects "
+                     "(%.16s...)", p->model_path, s->cid_hex, p->content_id);
+            e = KVS_ERR_MISMATCH;
+            goto fail;
+        }
     }
     {
         /* A stage shard (kvasir.shard.* keys) must cover the assigned window:

@@ -60,6 +60,9 @@ struct kvs_stage_params {
     int32_t keepalive_ms;     /* keepalive and probe period (default 1000) */
     int32_t step_delay_ms;    /* test hook: sleep before every forward (default 0) */
     const char *fingerprint;  /* expected model fingerprint (hex) or NULL: checked at create */
+    const char *content_id;   /* expected content id (hex, docs/FORMATS.md) or NULL: checked at create
+                               * when the file's is known (a full model: hashed at create; a shard:
+                               * the one it records) */
     int stop_fd;              /* extra fd: readable -> kvs_stage_run returns (e.g. a signalfd); -1 none */
     int32_t decode_groups;    /* head: decode batches kept in the ring at once (default 1: all sequences
                                * step together in one batch, best when stages share cores; G > 1
@@ -92,7 +95,8 @@ struct kvs_stage; /* opaque */
 /* Loads the window, opens the listening socket and prepares every buffer
  * (the loop allocates only when a request starts). Errors: those of
  * kvs_gguf_open / kvs_model_load / kvs_tcp_listen, KVS_ERR_MISMATCH (the file's
- * fingerprint is not params->fingerprint), KVS_ERR_ARG (no next address for a
+ * fingerprint is not params->fingerprint, or its content id not
+ * params->content_id), KVS_ERR_ARG (no next address for a
  * stage that is not the whole model). A window of the whole model is a
  * one-stage ring: the head samples locally, dials nothing, refuses
  * predecessors (next is ignored). errbuf gets a message. */

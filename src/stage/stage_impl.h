@@ -98,6 +98,8 @@ struct kvs_stage {
     struct kvs_hparams hp;
     uint8_t fp[32];
     char fp_hex[65];
+    uint8_t cid[32];  /* the model's content id (kvs_shard_content_id), all zero if unknown */
+    char cid_hex[65]; /* its hex, "" if unknown */
     int32_t begin, end, n_ctx, n_seq, n_batch;
     uint32_t n_embd, n_vocab;
     bool is_head, is_tail;

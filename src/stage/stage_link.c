@@ -9,6 +9,7 @@
 
 #include "common/log.h"
 #include "gguf/gguf.h"
+#include "shard/shard.h"
 
 /* Sends header h with payload already at sbuf + 24. Returns false if the out
  * link is down or failed (the frame is dropped). */
@@ -67,6 +68,7 @@ static void make_hello(const struct kvs_stage *s, struct kvs_hello *m, uint32_t 
     m->n_ctx = (uint32_t)s->n_ctx;
     m->n_seq = (uint32_t)s->n_seq;
     m->n_batch = (uint32_t)s->n_batch;
+    memcpy(m->content_id, s->cid, 32);
 }
 
 static void write_hello(const struct kvs_stage *s, uint8_t *buf, uint32_t role)
@@ -102,6 +104,18 @@ static kvs_err check_hello(const struct kvs_stage *s, const struct kvs_hello *o,
                  s->hp.n_block, s->n_embd);
         snprintf(remote, rcap, "it has n_block %u n_embd %u, this stage %u %u", s->hp.n_block, s->n_embd,
                  o->n_block, o->n_embd);
+        return KVS_ERR_MISMATCH;
+    }
+    /* Same shapes, other weights (a fine-tune, a tampered seed): refused when both ends know
+     * their content id; an unknown one (all zero) is let through (its shard said UNVERIFIED). */
+    static const uint8_t zero[32];
+    if (s->cid_hex[0] && memcmp(o->content_id, zero, 32) && memcmp(o->content_id, s->cid, 32)) {
+        char hx[65];
+        kvs_shard_hex(o->content_id, hx);
+        snprintf(local, lcap, "it serves other weights of this model (content id %.16s..., this stage %.16s...)", hx,
+                 s->cid_hex);
+        snprintf(remote, rcap, "it serves other weights of this model (content id %.16s..., this stage %.16s...)",
+                 s->cid_hex, hx);
         return KVS_ERR_MISMATCH;
     }
     if (o->n_ctx != (uint32_t)s->n_ctx) {

@@ -10,6 +10,7 @@ kvs_err kvs_stage_params_from_manifest(const struct kvs_manifest *mf, int32_t ra
     const struct kvs_manifest_rank *k = &mf->ranks[rank];
     p->model_path = mf->model_path;
     p->fingerprint = mf->fingerprint[0] ? mf->fingerprint : NULL;
+    p->content_id = mf->content_id[0] ? mf->content_id : NULL;
     p->block_begin = (int32_t)k->begin;
     p->block_end = (int32_t)k->end;
     p->listen = k->listen;

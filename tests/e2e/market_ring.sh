@@ -50,7 +50,7 @@ py() { python3 -c "$@"; }
 mkdir -p "$T/seed"
 cp "$SH/models/aidreams260K.gguf" "$SH/models/llama-q4_k_m.gguf" "$T/seed/"
 for m in aidreams260K llama-q4_k_m; do
-  "$BIN" shard index "$T/seed/$m.gguf" -o "$T/seed/$m.gguf.kvindex.json" >/dev/null || fail "shard index $m"
+  "$BIN" shard index "$T/seed/$m.gguf" -o "$T/seed/$m.gguf.kvindex.json" >"$T/$m.cid" || fail "shard index $m"
 done
 "$BIN" seed "$T/seed" --port 0 --port-file "$T/seed.port" >"$T/seed.log" 2>&1 &
 pids+=($!)
@@ -62,10 +62,11 @@ pids+=($mpid)
 MPORT=$(log_port "$T/market.log" "listening on http://") || fail "no market port"
 MK=http://127.0.0.1:$MPORT
 
+# the listings name the content ids: the nodes check the seed's index against them
 "$BIN" market add --market "$MK" --url "$SEED/aidreams260K.gguf" --index "$SEED/aidreams260K.gguf.kvindex.json" \
-  >/dev/null || fail "market add aidreams260K"
+  --content-id "$(sed -n 's/^content_id=//p' "$T/aidreams260K.cid")" >/dev/null || fail "market add aidreams260K"
 "$BIN" market add --market "$MK" --url "$SEED/llama-q4_k_m.gguf" --index "$SEED/llama-q4_k_m.gguf.kvindex.json" \
-  --ctx 256 --boundary f32 >/dev/null || fail "market add llama-q4_k_m"
+  --content-id "$(sed -n 's/^content_id=//p' "$T/llama-q4_k_m.cid")" --ctx 256 --boundary f32 >/dev/null || fail "market add llama-q4_k_m"
 curl -sf "$MK/map" >"$T/map0.json" || fail "GET /map"
 # the reward per block of aidreams's blocks while nothing is claimed
 r0=$(py "import json; m=json.load(open('$T/map0.json'))['models'][0]; print(m['coverage'][0]['gaps'][0]['reward_per_block'])")
@@ -132,9 +133,9 @@ for n in a b c d e; do
   read -r hb db wb hr ver < <(echo "$line" | py "
 import re,sys
 l=sys.stdin.read(); g=lambda k: re.search(k+'=([0-9a-z]+)', l).group(1)
-print(g('header_bytes'), g('data_bytes'), g('window_bytes'), g('header_reused_bytes'), g('verified'))")
+print(g('header_bytes'), g('data_bytes'), g('window_bytes'), g('header_reused_bytes'), g('verified') + g('trusted'))")
   model=$(echo "${want[$n]}" | cut -d' ' -f1); size=$(stat -c %s "$T/seed/$model.gguf")
-  [[ $ver == yes ]] || fail "node $n: fetch not verified against the index"
+  [[ $ver == yesyes ]] || fail "node $n: fetch not verified against the index and the listing's content id"
   ((db + hr >= wb)) || fail "node $n: received $db + $hr header-reused bytes for a $wb-byte window"
   ((db <= wb + wb / 100 + 4096)) || fail "node $n: received $db data bytes for a $wb-byte window"
   ((hb + db < size)) || fail "node $n: fetched $((hb + db)) bytes, the whole file is $size"

@@ -13,6 +13,9 @@
 #     (ctx, seqs, boundary) applied and CLI flags overriding them.
 #  E. a successor with another --batch, then another --ctx: refused at the handshake
 #     (PROTOCOL.md §4 step 2), each side phrasing it from its own side.
+#  F. same shapes, other weights (every F32 tensor negated: the fingerprint is the same):
+#     refused at the handshake by content id, both sides; a manifest's content id
+#     refuses the file at start.
 set -uo pipefail
 BIN=${KVASIR_BIN:?}
 M=${KVASIR_SHARED:?}/models/aidreams260K.gguf
@@ -182,4 +185,43 @@ for what in "batch 64 512 n_batch" "ctx 96 128 n_ctx"; do
   echo "ok: E: $why"
   term "$e" "E: refusing stage (--$flag)"
 done
+
+# --- F. same shapes, other weights: refused by content id -----------------------------------
+"$BIN" shard index "$M" -o "$tmp/m.kvindex.json" >"$tmp/cid" || fail "F: shard index"
+python3 - "$M" "$tmp/m.kvindex.json" "$tmp/neg.gguf" <<'PY'
+import json, struct, sys
+data = bytearray(open(sys.argv[1], 'rb').read())
+for t in json.load(open(sys.argv[2]))['tensors']:
+    if t['type'] == 'F32':
+        n = t['size'] // 4
+        v = struct.unpack_from('<%df' % n, data, t['offset'])
+        struct.pack_into('<%df' % n, data, t['offset'], *[-x for x in v])
+open(sys.argv[3], 'wb').write(data)
+PY
+[[ $("$BIN" gguf info "$tmp/neg.gguf" | grep '^fingerprint') == $("$BIN" gguf info "$M" | grep '^fingerprint') ]] ||
+  fail "F: the negated model should keep the fingerprint"
+cm=$(sed -n 's/^content_id=\(.\{16\}\).*/\1/p' "$tmp/cid")
+cn=$("$BIN" shard index "$tmp/neg.gguf" -o "$tmp/n.kvindex.json" | sed -n 's/^content_id=\(.\{16\}\).*/\1/p')
+[[ ${#cm} == 16 && ${#cn} == 16 && $cm != "$cn" ]] || fail "F: content ids '$cm' '$cn'"
+"$BIN" stage -m "$tmp/neg.gguf" --window 2:4 $K1 --listen "$(a 1)" --next "$(a 7)" >"$tmp/f.log" 2>&1 &
+f=$!
+pids+=($f)
+sleep 0.3
+timeout 15 "$BIN" stage -m "$M" --window 0:2 $K0 --listen "$(a 0)" --next "$(a 1)" -p hi >"$tmp/f.out" 2>"$tmp/f_head.log"
+rc=$?
+[[ $rc == 1 ]] || fail "F: head -p with a successor of other weights exited $rc, expected 1"
+why="successor $(a 1) refused this stage: it serves other weights of this model (content id $cn..., this stage $cm...)"
+grep -qF "kvasir: the ring cannot close: $why" "$tmp/f_head.log" || fail "F: $(cat "$tmp/f_head.log")"
+grep -qF "it serves other weights of this model (content id $cm..., this stage $cn...)" "$tmp/f.log" ||
+  fail "F: the refusing stage's own reason"
+echo "ok: F: $why"
+term "$f" "F: refusing stage"
+# the 1-rank manifest of D names $M's content id: the negated file is refused at start
+grep -q "\"content_id\": \"$cm" "$tmp/one.json" || fail "F: plan wrote no content id: $(head -c 400 "$tmp/one.json")"
+if timeout 15 "$BIN" stage --manifest "$tmp/one.json" --rank 0 -m "$tmp/neg.gguf" -p hi >/dev/null 2>"$tmp/f2.log"; then
+  fail "F: a manifest's content id did not refuse other weights"
+fi
+grep -qF "holds other weights (content id $cn...) than the manifest expects ($cm...)" "$tmp/f2.log" ||
+  fail "F: manifest refusal: $(cat "$tmp/f2.log")"
+echo "ok: F: manifest content id refuses the negated file: $(grep 'other weights' "$tmp/f2.log" | head -1)"
 echo PASS

@@ -150,9 +150,17 @@ static void test_parsers(void **state)
     assert_int_equal(l.rings, 2);
     assert_true(l.boundary_f32);
     assert_int_equal(l.seqs, 4);
+    assert_string_equal(l.content_id, "");
+    const char *lcid = "{\"url\":\"http://h/x.gguf\",\"content_id\":"
+                       "\"657c6b273193a9fceb570071aaf7a161cf0d258f62cb9b13cf151dcd8c5c112f\"}";
+    assert_int_equal(kvs_market_parse_listing(lcid, strlen(lcid), &l, err, sizeof err), KVS_OK);
+    assert_string_equal(l.content_id, "657c6b273193a9fceb570071aaf7a161cf0d258f62cb9b13cf151dcd8c5c112f");
     const char *lbad[] = { "{}", "{\"url\":\"ftp://h/x.gguf\"}", "{\"url\":\"http://h/x.gguf\",\"rings\":0}",
                            "{\"url\":\"http://h/x.gguf\",\"boundary\":\"f8\"}", "{\"url\":\"http://h/x.gguf\",\"name\":\"a b\"}",
-                           "{\"url\":\"http://h/x y.gguf\"}" };
+                           "{\"url\":\"http://h/x y.gguf\"}",
+                           "{\"url\":\"http://h/x.gguf\",\"content_id\":\"abc\"}",
+                           "{\"url\":\"http://h/x.gguf\",\"content_id\":\"657C6B273193A9FCEB570071AAF7A161CF0D258F62CB9B13CF151DCD8C5C112F\"}",
+                           "{\"url\":\"http://h/x.gguf\",\"content_id\":7}" };
     for (size_t i = 0; i < sizeof lbad / sizeof lbad[0]; i++)
         if (kvs_market_parse_listing(lbad[i], strlen(lbad[i]), &l, err, sizeof err) == KVS_OK)
             fail_msg("listing body '%s' accepted", lbad[i]);
@@ -165,6 +173,7 @@ static void test_profile_roundtrip(void **state)
     m->block_kv_bytes[3] = 512;
     m->block_state_bytes[1] = 70000; /* a Gated DeltaNet block: fixed state per sequence */
     m->tied_bytes = 9;
+    snprintf(m->content_id, sizeof m->content_id, "%s", "657c6b273193a9fceb570071aaf7a161cf0d258f62cb9b13cf151dcd8c5c112f");
     char *j = kvs_market_profile_json(m), err[256];
     assert_non_null(j);
     assert_int_equal(kvs_market_profile_parse(j, strlen(j), back, err, sizeof err), KVS_OK);
@@ -173,6 +182,7 @@ static void test_profile_roundtrip(void **state)
     assert_int_equal(back->block_kv_bytes[3], 512);
     assert_int_equal(back->tied_bytes, 9);
     assert_int_equal(back->head_bytes, 100);
+    assert_string_equal(back->content_id, m->content_id);
     free(j);
     const char *bad = "{\"n_block\":1,\"n_embd\":1,\"n_vocab\":1,\"ctx_train\":0,\"common\":0,\"head\":0,"
                       "\"head_stream\":0,\"tail\":0,\"tail_stream\":0,\"tied\":0,\"blocks\":[[1,1,1]]}";

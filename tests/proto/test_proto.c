@@ -84,9 +84,11 @@ static void test_roundtrip_all_kinds(void **state)
     struct kvs_hello he = { .n_block = 12, .block_begin = 4, .block_end = 8, .n_embd = N_EMBD,
                             .role = KVS_HELLO_ROLE_SUCC, .n_ctx = 2048, .n_seq = 3, .n_batch = 256 };
     for (int i = 0; i < 32; i++) he.fingerprint[i] = (uint8_t)(0xa0 + i);
+    for (int i = 0; i < 32; i++) he.content_id[i] = (uint8_t)(0x40 + i);
     kvs_proto_put_hello(pay, &he);
     size_t n = build(buf, KVS_FRAME_HELLO, 0, 0, 0, 0, pay, KVS_PROTO_HELLO_BYTES);
-    assert_int_equal(n, 88);
+    assert_int_equal(n, 120);
+    assert_int_equal(pay[64], 0x40); /* content id at offset 64 (§3.1) */
     const struct kvs_frame *f = decode_whole(d, buf, n);
     const struct kvs_frame *g = decode_bytewise(b, buf, n);
     struct kvs_hello h2, h3;
@@ -271,7 +273,9 @@ static void test_bad_frames(void **state)
         { "end without req", { HDR(KVS_FRAME_END, 0, 0, 0, 0, 0) }, 24, 0, 0, KVS_ERR_FORMAT,
           "END frame without a request id" },
         { "hello short", { HDR(KVS_FRAME_HELLO, 0, 0, 0, 0, 63) }, 24, 0, 0, KVS_ERR_RANGE,
-          "HELLO payload of 63 bytes, expected 64 for 0 tokens" },
+          "HELLO payload of 63 bytes, expected 96 for 0 tokens" },
+        { "hello without content id", { HDR(KVS_FRAME_HELLO, 0, 0, 0, 0, 64) }, 24, 0, 0, KVS_ERR_RANGE,
+          "HELLO payload of 64 bytes, expected 96 for 0 tokens" },
         { "request empty prompt", { HDR(KVS_FRAME_REQUEST_START, 0, 1, 0, 0, 40) }, 24, 0, 0, KVS_ERR_RANGE,
           "REQUEST_START with an empty prompt" },
         { "request bad length", { HDR(KVS_FRAME_REQUEST_START, 0, 1, 0, 2, 46) }, 24, 0, 0, KVS_ERR_RANGE,
@@ -355,7 +359,7 @@ static void test_protocol_md_examples(void **state)
     const struct kvs_frame *f;
 
     size_t n = doc_example(doc, "HELLO", b, sizeof b);
-    assert_int_equal(n, 88);
+    assert_int_equal(n, 120);
     f = decode_bytewise(d, b, n);
     struct kvs_hello he;
     kvs_proto_get_hello(f, &he);
@@ -368,6 +372,7 @@ static void test_protocol_md_examples(void **state)
     assert_int_equal(he.n_ctx, 128);
     assert_int_equal(he.n_seq, 4);
     assert_int_equal(he.n_batch, 512);
+    for (int i = 0; i < 32; i++) assert_int_equal(he.content_id[i], 0x20 + i);
 
     n = doc_example(doc, "REQUEST_START", b, sizeof b);
     assert_int_equal(n, 80);

@@ -51,7 +51,7 @@ def fingerprint(model):
 
 
 def hello(fp, role, nblock, wb, we, nembd, nctx, nseq):
-    return frame(1, fp + struct.pack('<8I', nblock, wb, we, nembd, role, nctx, nseq, 512))
+    return frame(1, fp + struct.pack('<8I', nblock, wb, we, nembd, role, nctx, nseq, 512) + bytes(32))
 
 
 _cert = None

@@ -42,7 +42,7 @@ def main():
     nblock, nembd, nctx, nseq, wb = (int(x) for x in sys.argv[5:10])
     info = subprocess.run([KVASIR, 'gguf', 'info', model], capture_output=True, text=True).stdout
     fp = next(binascii.unhexlify(l.split()[1]) for l in info.splitlines() if l.startswith('fingerprint:'))
-    hello = lambda role: frame(1, fp + struct.pack('<8I', nblock, wb, nblock, nembd, role, nctx, nseq, 512))
+    hello = lambda role: frame(1, fp + struct.pack('<8I', nblock, wb, nblock, nembd, role, nctx, nseq, 512) + bytes(32))
     ls = socket.socket()
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     ls.bind(('127.0.0.1', lport))
