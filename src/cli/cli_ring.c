@@ -109,7 +109,11 @@ static bool submit(struct kvs_stage *head, const struct kvs_ring_client_opts *o,
         pthread_mutex_lock(&cx->c->mu);
         r->done = true;
         r->err = e;
-        snprintf(r->msg, sizeof r->msg, "cannot submit: %s", kvs_strerror(e));
+        if (e == KVS_ERR_RANGE && n >= kvs_stage_n_ctx(head)) /* the words of `kvasir run` */
+            snprintf(r->msg, sizeof r->msg, "the prompt (%d tokens) does not fit the context (%d)", (int)n,
+                     (int)kvs_stage_n_ctx(head));
+        else
+            snprintf(r->msg, sizeof r->msg, "cannot submit: %s", kvs_strerror(e));
         cx->c->n_done_unseen++;
         pthread_mutex_unlock(&cx->c->mu);
         return false;
@@ -122,9 +126,9 @@ static void sum_add(struct kvs_cli_summary *s, const struct creq *r)
 {
     s->n_requests++;
     if (r->err) s->n_failed++;
-    s->n_prompt += r->n_prompt;
     s->n_gen += r->n_toks;
-    if (r->t_first >= 0) {
+    if (r->t_first >= 0) { /* its prompt was run (a refused one is only counted as failed) */
+        s->n_prompt += r->n_prompt;
         s->prompt_ms += r->t_first - r->t_submit;
         if (r->n_toks > 1) {
             s->n_decode += r->n_toks - 1;

@@ -327,6 +327,11 @@ bool kvs_stage_is_head(const struct kvs_stage *s)
     return s->is_head;
 }
 
+int32_t kvs_stage_n_ctx(const struct kvs_stage *s)
+{
+    return s->n_ctx;
+}
+
 const struct kvs_tokenizer *kvs_stage_tokenizer(const struct kvs_stage *s)
 {
     return s->tok;

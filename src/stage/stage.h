@@ -121,6 +121,8 @@ kvs_err kvs_stage_set_next(struct kvs_stage *s, const char *next, char *errbuf, 
 /* The port actually listened on (useful with port 0). */
 uint16_t kvs_stage_listen_port(const struct kvs_stage *s);
 bool kvs_stage_is_head(const struct kvs_stage *s);
+/* Positions per sequence (n_ctx): a prompt of n_ctx tokens or more does not fit. */
+int32_t kvs_stage_n_ctx(const struct kvs_stage *s);
 /* Head only: the model's tokenizer (borrowed, lives as long as s); NULL on other stages. */
 const struct kvs_tokenizer *kvs_stage_tokenizer(const struct kvs_stage *s);
 
