@@ -156,7 +156,7 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
     if (!s->solo) { /* a malformed next is a start-up error, not 20 silent retries */
         char why[300] = "";
         if (kvs_st_check_addr(s->next_addr, false, why, sizeof why)) {
-            snprintf(err, sizeof err, "next address '%.200s': %s", s->next_addr, why);
+            snprintf(err, sizeof err, "next address '%.200s': %.250s", s->next_addr, why);
             e = KVS_ERR_ARG;
             goto fail;
         }
@@ -164,7 +164,7 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
     if (s->in_relay) { /* the in link dials out (RELAY.md §2): its URL must be usable */
         char why[300] = "";
         if (kvs_st_check_addr(s->listen_addr, true, why, sizeof why)) {
-            snprintf(err, sizeof err, "listen address '%.200s': %s", s->listen_addr, why);
+            snprintf(err, sizeof err, "listen address '%.200s': %.250s", s->listen_addr, why);
             e = KVS_ERR_ARG;
             goto fail;
         }

@@ -278,5 +278,17 @@ void kvs_st_tail_sample(struct kvs_stage *s, struct seq *q, const float *logits,
 
 void kvs_st_send_probe(struct kvs_stage *s, uint32_t probe_no, uint32_t n, uint64_t t_recv);
 void kvs_st_on_keepalive(struct kvs_stage *s, const struct kvs_frame *f);
+/* Head: is the trail of TRAIL probe f (its header already checked by the
+ * decoder) fit for arithmetic (§3.8.1)? Every record: begin < end <= n_block,
+ * t_recv <= t_send, both within a day of t_back (the head's wall clock when
+ * it came back, us); the first record is the head's window [begin, end) with
+ * t_send <= t_back. On false, *bad (if not NULL) is the first failing
+ * record's index and *bad_rec (if not NULL) that record. No state. */
+bool kvs_st_trail_valid(const struct kvs_frame *f, uint64_t t_back, uint32_t n_block, int32_t begin, int32_t end,
+                        uint32_t *bad, struct kvs_trail_rec *bad_rec);
+/* Head: per-stage figures of trail f into out[KVS_PROTO_MAX_TRAIL] and the
+ * probe's round trip (ms) into *rtt_ms; differences of wire timestamps
+ * without signed overflow (any values). Returns the records written. */
+int kvs_st_trail_hops(const struct kvs_frame *f, uint64_t t_back, struct kvs_stage_hop *out, double *rtt_ms);
 
 #endif

@@ -48,47 +48,62 @@ static double diff_ms(uint64_t a, uint64_t b)
 
 #define TRAIL_SKEW_US (86400ull * 1000000ull) /* a record's clock may differ from the head's by a day */
 
-/* Head: a TRAIL probe came back: keep its per-stage figures. Any stage
- * forwards trails, so every field is checked before arithmetic on it
- * (§3.8.1): windows inside the model, t_recv <= t_send, timestamps within
- * TRAIL_SKEW_US of the head's clock, the first record the head's own (its
- * t_send not after t_back). A trail that fails is dropped whole. */
-static void head_take_trail(struct kvs_stage *s, const struct kvs_frame *f, uint64_t t_back)
+
+bool kvs_st_trail_valid(const struct kvs_frame *f, uint64_t t_back, uint32_t n_block, int32_t begin, int32_t end,
+                        uint32_t *bad, struct kvs_trail_rec *bad_rec)
+{
+    struct kvs_trail_rec r;
+    for (uint32_t i = 0; i < f->h.n_tokens; i++) {
+        kvs_proto_get_trail_rec(f, i, &r);
+        bool ok = r.block_begin < r.block_end && r.block_end <= n_block && r.t_recv_us <= r.t_send_us &&
+                  r.t_send_us <= t_back + TRAIL_SKEW_US && t_back <= r.t_recv_us + TRAIL_SKEW_US &&
+                  (i > 0 || (r.block_begin == (uint32_t)begin && r.block_end == (uint32_t)end &&
+                             r.t_send_us <= t_back));
+        if (!ok) {
+            if (bad) *bad = i;
+            if (bad_rec) *bad_rec = r;
+            return false;
+        }
+    }
+    return true;
+}
+
+int kvs_st_trail_hops(const struct kvs_frame *f, uint64_t t_back, struct kvs_stage_hop *out, double *rtt_ms)
 {
     uint32_t n = f->h.n_tokens;
     struct kvs_trail_rec r, nx;
-    for (uint32_t i = 0; i < n; i++) {
+    for (uint32_t i = 0; i < n && i < KVS_PROTO_MAX_TRAIL; i++) {
         kvs_proto_get_trail_rec(f, i, &r);
-        bool ok = r.block_begin < r.block_end && r.block_end <= s->hp.n_block && r.t_recv_us <= r.t_send_us &&
-                  r.t_send_us <= t_back + TRAIL_SKEW_US && t_back <= r.t_recv_us + TRAIL_SKEW_US &&
-                  (i > 0 || (r.block_begin == (uint32_t)s->begin && r.block_end == (uint32_t)s->end &&
-                             r.t_send_us <= t_back));
-        if (!ok) {
-            kvs_st_met_add(s, &s->met.frames_rejected, 1);
-            if (kvs_st_refusal_log_ok(s))
-                KVS_LOGW("dropping a probe trail: record %u ([%u,%u), t_recv %llu, t_send %llu us) is not valid", i,
-                         r.block_begin, r.block_end, (unsigned long long)r.t_recv_us,
-                         (unsigned long long)r.t_send_us);
-            return;
-        }
-    }
-    pthread_mutex_lock(&s->mu);
-    s->n_hops = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        kvs_proto_get_trail_rec(f, i, &r);
-        struct kvs_stage_hop *o = &s->hops[s->n_hops++];
         uint64_t next_recv = t_back;
         if (i + 1 < n) {
             kvs_proto_get_trail_rec(f, i + 1, &nx);
             next_recv = nx.t_recv_us;
         }
-        *o = (struct kvs_stage_hop){ .block_begin = (int32_t)r.block_begin, .block_end = (int32_t)r.block_end,
-                                     .forward_calls = r.forward_calls, .forward_ms = (double)r.forward_us / 1000.0,
-                                     .rows = r.rows, .bytes_out = r.bytes_out,
-                                     .residence_ms = diff_ms(r.t_send_us, r.t_recv_us),
-                                     .hop_ms = diff_ms(next_recv, r.t_send_us) };
-        if (i == 0) s->probe_rtt_ms = diff_ms(t_back, r.t_send_us);
+        out[i] = (struct kvs_stage_hop){ .block_begin = (int32_t)r.block_begin, .block_end = (int32_t)r.block_end,
+                                         .forward_calls = r.forward_calls,
+                                         .forward_ms = (double)r.forward_us / 1000.0, .rows = r.rows,
+                                         .bytes_out = r.bytes_out, .residence_ms = diff_ms(r.t_send_us, r.t_recv_us),
+                                         .hop_ms = diff_ms(next_recv, r.t_send_us) };
+        if (i == 0 && rtt_ms) *rtt_ms = diff_ms(t_back, r.t_send_us);
     }
+    return n < KVS_PROTO_MAX_TRAIL ? (int)n : (int)KVS_PROTO_MAX_TRAIL;
+}
+
+/* Head: a TRAIL probe came back: keep its per-stage figures, if it passes
+ * kvs_st_trail_valid (a trail that fails is dropped whole). */
+static void head_take_trail(struct kvs_stage *s, const struct kvs_frame *f, uint64_t t_back)
+{
+    uint32_t bad = 0;
+    struct kvs_trail_rec r;
+    if (!kvs_st_trail_valid(f, t_back, s->hp.n_block, s->begin, s->end, &bad, &r)) {
+        kvs_st_met_add(s, &s->met.frames_rejected, 1);
+        if (kvs_st_refusal_log_ok(s))
+            KVS_LOGW("dropping a probe trail: record %u ([%u,%u), t_recv %llu, t_send %llu us) is not valid", bad,
+                     r.block_begin, r.block_end, (unsigned long long)r.t_recv_us, (unsigned long long)r.t_send_us);
+        return;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->n_hops = kvs_st_trail_hops(f, t_back, s->hops, &s->probe_rtt_ms);
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -119,6 +134,6 @@ void kvs_st_on_keepalive(struct kvs_stage *s, const struct kvs_frame *f)
         kvs_st_send_simple(s, KVS_FRAME_KEEPALIVE, KVS_FRAME_FLAG_PROBE, 0, f->h.pos);
         return;
     }
-    memcpy(s->sbuf + KVS_PROTO_HEADER_BYTES, f->payload, f->h.payload_len);
+    if (f->h.payload_len) memcpy(s->sbuf + KVS_PROTO_HEADER_BYTES, f->payload, f->h.payload_len);
     kvs_st_send_probe(s, f->h.pos, f->h.n_tokens, now);
 }

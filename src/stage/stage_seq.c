@@ -313,7 +313,7 @@ void kvs_st_on_live(struct kvs_stage *s, const struct kvs_frame *f)
         kvs_st_met_update(s);
     }
     if (s->is_tail) return;
-    memcpy(s->sbuf + KVS_PROTO_HEADER_BYTES, f->payload, f->h.payload_len);
+    if (f->h.payload_len) memcpy(s->sbuf + KVS_PROTO_HEADER_BYTES, f->payload, f->h.payload_len);
     struct kvs_frame_header h = f->h;
     kvs_st_send_built(s, &h);
 }
