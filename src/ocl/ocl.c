@@ -446,7 +446,10 @@ static void matmul_any(struct kvs_ocl *c, const struct kvs_ocl_weight *W, struct
     ARG_VAL(ki, 9, cl_int, W->N);
     ARG_VAL(ki, 10, cl_int, nb);
     ARG_LOCAL(ki, 11, L * sizeof(float));
-    const size_t g[2] = { (size_t)W->N * L, (size_t)R }, l[2] = { L, 1 };
+    const int64_t tile = R >= 8 ? 8 : R; /* rows per group: the weight row is fetched once per tile */
+    ARG_VAL(ki, 12, cl_int, R);
+    ARG_VAL(ki, 13, cl_int, tile);
+    const size_t g[2] = { (size_t)W->N * L, (size_t)((R + tile - 1) / tile) }, l[2] = { L, 1 };
     note(c, clEnqueueNDRangeKernel(c->q, c->k[ki], 2, NULL, g, l, 0, NULL, NULL), kernel_names[ki]);
 }
 

@@ -97,23 +97,30 @@ __kernel void quant_f16(const __global float *x, __global half *y, const int n)
 
 /* --- matrix products -----------------------------------------------------
  * y[r·N + n] = dot(weight row n, activation row r / act_div) for r < R, n < N.
- * Global size (N·L, R), local (L, 1): one group per output value, its items
- * stride over the row's blocks, then a tree sum. With ids (use_ids != 0)
- * the weight is expert ids[r]'s slice, expert_stride bytes apart (MoE).
- * Activation rows are already in the weight type's vec_dot format. */
+ * Global size (N·L, ceil(R / tile)), local (L, 1): one group per output
+ * value of `tile` consecutive rows r, done one after the other so that the
+ * weight row is read from memory once and from cache for the others
+ * (prefill); its items stride over the row's blocks, then a tree sum (the
+ * same order for every tile, so results do not depend on it). With ids
+ * (use_ids != 0) the weight is expert ids[r]'s slice, expert_stride bytes
+ * apart (MoE). Activation rows are already in the weight type's vec_dot
+ * format. */
 #define MM_HEAD                                                                                               \
-    const int n = (int)get_group_id(0), r = (int)get_global_id(1), lid = (int)get_local_id(0);               \
+    const int n = (int)get_group_id(0), r0 = (int)get_global_id(1) * tile, lid = (int)get_local_id(0);       \
     const int L = (int)get_local_size(0);                                                                     \
+    for (int tt = 0; tt < tile; tt++) {                                                                       \
+    const int r = min(r0 + tt, R - 1); /* past the end: recomputes row R-1, writes nothing */                \
     const __global uchar *wr = w + (use_ids ? (size_t)ids[r] * expert_stride : (size_t)0) + (size_t)n * row_bytes; \
     const __global uchar *ar = a + (size_t)(r / act_div) * act_row_bytes;                                     \
     float acc = 0.0f;
 #define MM_ARGS                                                                                               \
     const __global uchar *w, const ulong row_bytes, const ulong expert_stride, const __global int *ids,       \
         const int use_ids, const __global uchar *a, const ulong act_row_bytes, const int act_div,            \
-        __global float *y, const int N, const int nb, __local float *red
+        __global float *y, const int N, const int nb, __local float *red, const int R, const int tile
 #define MM_TAIL                                                                                               \
     acc = group_sum(red, acc);                                                                                \
-    if (lid == 0) y[(size_t)r * N + n] = acc;
+    if (lid == 0 && r0 + tt < R) y[(size_t)(r0 + tt) * N + n] = acc;                                          \
+    }
 
 /* F32 weights, F32 activations; nb = K values. */
 __kernel void mm_f32(MM_ARGS)

@@ -1,7 +1,7 @@
 /* The OpenCL kernels against the CPU scalar reference (src/kernels): random
  * weight blocks of every type with a kernel, odd row counts and rows whose
  * block count is not a multiple of the work-group size, several activation
- * rows, the MoE expert product, RMSNorm and SwiGLU; plus the start-up
+ * rows (11: a full tile of 8 rows and a partial one), the MoE expert product, RMSNorm and SwiGLU; plus the start-up
  * errors (bad device index, kernel build failure with the compiler's log,
  * a buffer larger than the device allows). Runs on PoCL in CI. */
 #include <setjmp.h>
@@ -146,7 +146,7 @@ static void check_matmul(enum kvs_type type, int64_t K, int64_t N, int64_t R, in
     const size_t stride = rb * (size_t)N;
     float *x = malloc((size_t)(R * K) * sizeof(float)), *y = malloc((size_t)(R * N * 4) * sizeof(float));
     float *ref = malloc((size_t)(R * N * 4) * sizeof(float));
-    int32_t ids[64];
+    int32_t ids[64]; /* R = 11 rows: a tile of 8 and a partial one */
     assert_true(x && y && ref && R * 4 <= 64);
     for (int64_t i = 0; i < R * K; i++) x[i] = rndf() * 2.0f;
     struct kvs_ocl_buf *bw = upload(w, stride * (size_t)n_exp), *bx = upload(x, (size_t)(R * K) * sizeof(float));
@@ -204,7 +204,7 @@ static void test_matmul_types(void **st)
         const int64_t Ks[3] = { is_float(ty) ? 172 : qk, qk * 3, qk * 67 };
         const int64_t Ns[3] = { 1, 7, 67 };
         for (int i = 0; i < 3; i++)
-            for (int j = 0; j < 3; j++) check_matmul(ty, Ks[i], Ns[j], j == 1 ? 3 : 1, 1);
+            for (int j = 0; j < 3; j++) check_matmul(ty, Ks[i], Ns[j], j == 1 ? 3 : j == 2 ? 11 : 1, 1);
     }
 }
 
