@@ -6,7 +6,7 @@ K=${KVASIR_BIN:?KVASIR_BIN unset}
 fail() { echo "FAIL: $*" >&2; exit 1; }
 n=0
 for c in "" run serve stage eval plan seed bench tokenize relay key "gguf" "gguf info" "gguf synth" "shard" \
-         "shard extract" "shard index" "shard fetch"; do
+         "shard extract" "shard index" "shard fetch" "run --ring 2" "serve --ring 2"; do
     # shellcheck disable=SC2086
     out=$("$K" $c --help 2>/dev/null) || fail "kvasir $c --help exits $?"
     grep -qi "usage" <<<"$out" || fail "kvasir $c --help prints no usage"
