@@ -10,7 +10,8 @@
 #     logged at info on the neighbour, never as a warning.
 #  D. `kvasir plan` with one device -> a 1-rank manifest; `stage --manifest` runs it
 #     as a one-stage ring (text equal to `kvasir run`), with the manifest's targets
-#     (ctx, seqs, boundary) applied and CLI flags overriding them.
+#     (ctx, seqs, boundary) applied and CLI flags overriding them; the default plan is
+#     "auto" with an f32 rank, and a rank's own "boundary" is what its stage sends.
 #  E. a successor with another --batch, then another --ctx: refused at the handshake
 #     (PROTOCOL.md §4 step 2), each side phrasing it from its own side.
 #  F. same shapes, other weights (every F32 tensor negated: the fingerprint is the same):
@@ -164,6 +165,20 @@ timeout 15 "$BIN" stage --manifest "$tmp/one.json" --rank 0 --prompts "$tmp/p3" 
 grep -qF "(ctx 64, 2 seqs, f16 boundaries)" "$tmp/d3.log" || fail "D: CLI flags do not override the targets"
 for i in 0 1 2; do
   grep -qxF "#$i ok $want" "$tmp/d3.out" || fail "D: prompt $i: $(grep "^#$i" "$tmp/d3.out")"
+done
+# the default plan is "auto" and its rank f32; a rank's own "boundary" is what the stage sends
+"$BIN" plan -m "$M" --devices "$tmp/dev.json" --ctx 96 -o "$tmp/auto.json" >/dev/null || fail "D: plan (auto)"
+python3 - "$tmp/auto.json" "$tmp/f16.json" <<'PY' || fail "D: manifest: $(cat "$tmp/auto.json")"
+import json, sys
+m = json.load(open(sys.argv[1]))
+assert m["targets"]["boundary"] == "auto" and m["ranks"][0]["boundary"] == "f32", m
+m["ranks"][0]["boundary"] = "f16"
+json.dump(m, open(sys.argv[2], "w"))
+PY
+for mf in auto:f32 f16:f16; do
+  timeout 15 "$BIN" stage --manifest "$tmp/${mf%%:*}.json" --rank 0 -p "Once upon a time" -n 4 --temp 0 >/dev/null \
+    2>"$tmp/d4.log" || fail "D: ${mf%%:*} manifest"
+  grep -qF "(ctx 96, 1 seqs, ${mf##*:} boundaries)" "$tmp/d4.log" || fail "D: ${mf%%:*} manifest: $(grep 'boundaries' "$tmp/d4.log")"
 done
 echo "ok: D: one-stage ring = kvasir run: '$want'"
 
