@@ -285,7 +285,10 @@ int kvs_local_ring_poll_children(struct kvs_local_ring *lr)
                 lr->pids[r] = 0;
                 continue;
             }
-            k->quick = now - k->started_ms < SUPERVISE_STABLE_MS ? k->quick + 1 : 0;
+            /* a planned leave (SIGTERM: the stage finished its step and said goodbye, or exit 0) is
+             * replaced at once; a crash soon after a start counts toward the backoff */
+            bool planned = (WIFSIGNALED(st) && WTERMSIG(st) == SIGTERM) || (WIFEXITED(st) && WEXITSTATUS(st) == 0);
+            k->quick = planned || now - k->started_ms >= SUPERVISE_STABLE_MS ? 0 : k->quick + 1;
             int delay = restart_delay_ms(k->quick);
             k->restart_at_ms = now + delay;
             k->waiting = true;

@@ -94,7 +94,8 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
 /* Reaps children that exited (logging each); returns how many did. Under
  * supervision (kvs_local_ring_supervise) it also restarts them: the same
  * command line (window, port, key), at once, or after 250 ms doubling to 8 s
- * when it keeps dying within 10 s of its start; a log line for each exit and each
+ * when it keeps crashing within 10 s of its start (a SIGTERM or exit 0 is a
+ * planned leave: replaced at once); a log line for each exit and each
  * restart. Thread-safe. */
 int kvs_local_ring_poll_children(struct kvs_local_ring *lr);
 /* Starts the supervisor: a thread that polls the children every 50 ms and
