@@ -1,6 +1,6 @@
 /* libFuzzer target for the market's request parsing (src/market): the first
  * byte picks a parser (listing, claim, renew, release, the /map reader, the
- * profile) or, for values 6..7, a whole request through kvs_market_handle on
+ * profile, or a receipt when the second byte is odd) or, for values 6..7, a whole request through kvs_market_handle on
  * an in-memory market (claim, renew or release of claim 1; the route is
  * picked by the second byte). Must never crash, leak, hang or read out of
  * bounds; a refused request must leave the map unchanged. */
@@ -73,6 +73,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         break;
     }
     case 5: {
+        if (data[1] & 1) { /* a receipt (parse and signature check) */
+            struct kvs_market_receipt *rc = malloc(sizeof *rc);
+            uint8_t d[32];
+            if (rc) (void)kvs_market_receipt_parse(text, len, rc, d, err, sizeof err);
+            free(rc);
+            break;
+        }
         struct kvs_plan_model *pm = malloc(sizeof *pm);
         if (pm) (void)kvs_market_profile_parse(text, len, pm, err, sizeof err);
         free(pm);
@@ -80,13 +87,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     default: {
         static const char *const paths[] = { "/v1/claims", "/v1/claims/1/renew", "/v1/claims/1/release", "/map",
-                                             "/v1/rings", "/v1/claims/x/renew" };
+                                             "/v1/rings", "/v1/claims/x/renew", "/v1/receipts" };
         struct kvs_market *m = market();
         struct kvs_market_reply r;
         int64_t now = 1800000000000ll + data[1];
         struct kvs_market_reply before;
         if (kvs_market_handle(m, "GET", "/map", NULL, 0, now, &before) != KVS_OK) abort();
-        if (kvs_market_handle(m, "POST", paths[data[1] % 6], text, len, now, &r) == KVS_OK) {
+        if (kvs_market_handle(m, "POST", paths[data[1] % 7], text, len, now, &r) == KVS_OK) {
             if (r.status >= 400) { /* a refusal changes nothing */
                 struct kvs_market_reply after;
                 if (kvs_market_handle(m, "GET", "/map", NULL, 0, now, &after) != KVS_OK) abort();

@@ -159,6 +159,41 @@ struct kvs_market_reply {
     const char *type;
 };
 
+/* --- receipts and the ledger (docs/MARKET.md "Ledger") ----------------------- */
+
+#define KVS_MARKET_MAX_RECEIPT_TOKENS (1u << 20) /* tokens one receipt may claim */
+#define KVS_MARKET_MAX_RECEIPT_RANKS 256         /* windows of one ring in a receipt */
+
+/* What a ring's head signs: "its ring [0, n_block) served `tokens` tokens",
+ * with the claims that held each window. seq is the head's own counter (>= 1),
+ * unique per head key: the market credits a (head, seq) once. */
+struct kvs_market_receipt_rank {
+    int64_t claim;           /* claim id from the map */
+    uint32_t begin, end;     /* its window */
+};
+struct kvs_market_receipt {
+    char model[KVS_MARKET_NAME_MAX];
+    char content_id[65];     /* the listing's content id, or "" */
+    uint32_t ring;
+    uint64_t seq;            /* 1..2^53 */
+    uint64_t tokens;         /* 1..KVS_MARKET_MAX_RECEIPT_TOKENS */
+    uint8_t head[32];        /* the head's Ed25519 public key: the one in its claim of block 0 */
+    size_t n_ranks;          /* 1..KVS_MARKET_MAX_RECEIPT_RANKS, by begin */
+    struct kvs_market_receipt_rank ranks[KVS_MARKET_MAX_RECEIPT_RANKS];
+};
+struct kvs_key;
+/* The body of POST /v1/receipts: {"receipt": PAYLOAD, "sig": HEX}, PAYLOAD the
+ * receipt as JSON text and HEX the Ed25519 signature of "kvasir-receipt-v1\n"
+ * followed by PAYLOAD's bytes, by k (whose public key must be r->head).
+ * *body: malloc'd. Errors: KVS_ERR_ARG (k is not r->head), KVS_ERR_NOMEM. */
+kvs_err kvs_market_receipt_sign(const struct kvs_market_receipt *r, const struct kvs_key *k, char **body);
+/* Parses such a body and checks the signature against the receipt's own head
+ * key and the bounds above; digest gets SHA-256 of the payload (the replay
+ * identity). Errors: KVS_ERR_FORMAT (malformed, bad signature: errbuf says
+ * which), KVS_ERR_RANGE (a count out of bounds). No database is read. */
+kvs_err kvs_market_receipt_parse(const char *text, size_t len, struct kvs_market_receipt *r, uint8_t digest[32],
+                                 char *errbuf, size_t errlen);
+
 /* Serves one request without HTTP: method "GET"/"POST", path (no query
  * string), body of len bytes (NULL/0 for none), now_ms the wall clock (ms
  * since the epoch; tests pass their own to expire leases). Routes:

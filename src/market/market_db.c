@@ -27,7 +27,11 @@ static const char SCHEMA[] =
     " relay TEXT NOT NULL, pubkey TEXT NOT NULL, api TEXT NOT NULL, token TEXT NOT NULL,"
     " expires_ms INTEGER NOT NULL, ready INTEGER NOT NULL DEFAULT 0, tps REAL NOT NULL DEFAULT 0,"
     " queued INTEGER NOT NULL DEFAULT 0, created_ms INTEGER NOT NULL, renewed_ms INTEGER NOT NULL);"
-    "CREATE INDEX IF NOT EXISTS claims_ring ON claims(model, ring, b);";
+    "CREATE INDEX IF NOT EXISTS claims_ring ON claims(model, ring, b);"
+    "CREATE TABLE IF NOT EXISTS receipts(head TEXT NOT NULL, seq INTEGER NOT NULL, digest TEXT NOT NULL,"
+    " tokens INTEGER NOT NULL, created_ms INTEGER NOT NULL, PRIMARY KEY(head, seq));"
+    "CREATE TABLE IF NOT EXISTS credits(node TEXT NOT NULL, model TEXT NOT NULL, credit INTEGER NOT NULL,"
+    " tokens INTEGER NOT NULL, receipts INTEGER NOT NULL, PRIMARY KEY(node, model));";
 
 int64_t kvs_market_now_ms(void)
 {
@@ -161,6 +165,17 @@ __attribute__((format(printf, 4, 5))) static kvs_err reply_error(struct kvs_mark
     return reply_json(r, status, json_pack("{s{ssss}}", "error", "code", code, "message", msg));
 }
 
+kvs_err kvs_market__reply_json(struct kvs_market_reply *r, int status, json_t *j) { return reply_json(r, status, j); }
+kvs_err kvs_market__reply_error(struct kvs_market_reply *r, int status, const char *code, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return reply_error(r, status, code, "%s", msg);
+}
+
 static kvs_err reply_db(struct kvs_market *m, struct kvs_market_reply *r)
 {
     return reply_error(r, 500, "database", "database error: %s", sqlite3_errmsg(m->db));
@@ -198,6 +213,11 @@ static bool purge(struct kvs_market *m, int64_t now)
     }
     return ok;
 }
+
+bool kvs_market__begin(struct kvs_market *m) { return begin(m); }
+bool kvs_market__commit(struct kvs_market *m) { return commit(m); }
+void kvs_market__rollback(struct kvs_market *m) { rollback(m); }
+bool kvs_market__purge(struct kvs_market *m, int64_t now) { return purge(m, now); }
 
 /* --- listings ------------------------------------------------------------------ */
 
@@ -782,6 +802,12 @@ kvs_err kvs_market_handle(struct kvs_market *m, const char *method, const char *
         if (get) return handle_listings(m, now_ms, r);
         if (post) return handle_add_listing(m, body, len, r);
         allow = "GET or POST";
+    } else if (!strcmp(path, "/ledger")) {
+        if (get) return kvs_market__handle_ledger(m, r);
+        allow = "GET";
+    } else if (!strcmp(path, "/v1/receipts")) {
+        if (post) return kvs_market__handle_receipt(m, body, len, now_ms, r);
+        allow = "POST";
     } else if (!strcmp(path, "/v1/claims")) {
         if (post) return handle_claim(m, body, len, now_ms, r);
         allow = "POST";

@@ -7,6 +7,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include <jansson.h>
+
 #include "market/market.h"
 
 struct MHD_Daemon;
@@ -27,6 +29,19 @@ bool kvs_market_valid_addr(const char *s);
 
 /* Closes the database (market_db.c); kvs_market_close calls it after the server stopped. */
 void kvs_market_db_close(struct kvs_market *m);
+
+/* Replies and transactions of market_db.c, for market_ledger.c. */
+kvs_err kvs_market__reply_json(struct kvs_market_reply *r, int status, json_t *j);
+kvs_err kvs_market__reply_error(struct kvs_market_reply *r, int status, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+bool kvs_market__begin(struct kvs_market *m);
+bool kvs_market__commit(struct kvs_market *m);
+void kvs_market__rollback(struct kvs_market *m);
+bool kvs_market__purge(struct kvs_market *m, int64_t now); /* inside a transaction */
+/* POST /v1/receipts and GET /ledger (market_ledger.c). */
+kvs_err kvs_market__handle_receipt(struct kvs_market *m, const char *body, size_t len, int64_t now,
+                                   struct kvs_market_reply *r);
+kvs_err kvs_market__handle_ledger(struct kvs_market *m, struct kvs_market_reply *r);
 
 /* The map page (market_page.c): a NUL-terminated static HTML document. */
 extern const char kvs_market_page_html[];

@@ -72,6 +72,13 @@ void kvs_key_public_hex(const uint8_t pub[KVS_KEY_PUB_BYTES], char *out);
 /* out[KVS_KEY_FP_HEX + 1]: the fingerprint (first 8 bytes of SHA-256(pub), hex). */
 void kvs_key_fingerprint(const uint8_t pub[KVS_KEY_PUB_BYTES], char *out);
 
+#define KVS_KEY_SIG_BYTES 64 /* an Ed25519 signature (RFC 8032 §5.1.6) */
+/* Signs len bytes of msg (pure Ed25519, no pre-hash). Errors: KVS_ERR_INTERNAL. */
+kvs_err kvs_key_sign(const struct kvs_key *k, const void *msg, size_t len, uint8_t sig[KVS_KEY_SIG_BYTES]);
+/* True if sig is pub's Ed25519 signature of msg (false also for a pub that is not a point). */
+bool kvs_key_verify(const uint8_t pub[KVS_KEY_PUB_BYTES], const void *msg, size_t len,
+                    const uint8_t sig[KVS_KEY_SIG_BYTES]);
+
 /* --- TLS identity -------------------------------------------------------------- */
 
 struct kvs_tls; /* opaque: a node's key, its self-signed certificate, the TLS contexts */

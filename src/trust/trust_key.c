@@ -147,3 +147,25 @@ void kvs_key_fingerprint(const uint8_t pub[KVS_KEY_PUB_BYTES], char *out)
     }
     out[KVS_KEY_FP_HEX] = '\0';
 }
+
+kvs_err kvs_key_sign(const struct kvs_key *k, const void *msg, size_t len, uint8_t sig[KVS_KEY_SIG_BYTES])
+{
+    EVP_MD_CTX *c = EVP_MD_CTX_new();
+    size_t n = KVS_KEY_SIG_BYTES;
+    int ok = c && EVP_DigestSignInit(c, NULL, NULL, NULL, k->pk) > 0 &&
+             EVP_DigestSign(c, sig, &n, msg, len) > 0 && n == KVS_KEY_SIG_BYTES;
+    EVP_MD_CTX_free(c);
+    return ok ? KVS_OK : KVS_ERR_INTERNAL;
+}
+
+bool kvs_key_verify(const uint8_t pub[KVS_KEY_PUB_BYTES], const void *msg, size_t len,
+                    const uint8_t sig[KVS_KEY_SIG_BYTES])
+{
+    EVP_PKEY *pk = EVP_PKEY_new_raw_public_key(EVP_PKEY_ED25519, NULL, pub, KVS_KEY_PUB_BYTES);
+    EVP_MD_CTX *c = pk ? EVP_MD_CTX_new() : NULL;
+    bool ok = c && EVP_DigestVerifyInit(c, NULL, NULL, NULL, pk) > 0 &&
+              EVP_DigestVerify(c, sig, KVS_KEY_SIG_BYTES, msg, len) == 1;
+    EVP_MD_CTX_free(c);
+    EVP_PKEY_free(pk);
+    return ok;
+}
