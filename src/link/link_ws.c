@@ -23,10 +23,12 @@
 #include <openssl/x509v3.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -723,8 +725,8 @@ static kvs_err upgrade(struct ws_conn *c, const struct kvs_ws_url *u, const char
     return KVS_OK;
 }
 
-kvs_err kvs_ws_dial(const char *url, const struct kvs_ws_opts *o, int timeout_ms, struct kvs_link **out,
-                    char *errbuf, size_t errlen)
+static kvs_err ws_dial(const char *url, const struct kvs_ws_opts *o, int timeout_ms, struct kvs_link **out,
+                       char *errbuf, size_t errlen)
 {
     *out = NULL;
     struct kvs_ws_url u;
@@ -801,5 +803,29 @@ kvs_err kvs_ws_dial(const char *url, const struct kvs_ws_opts *o, int timeout_ms
     return KVS_OK;
 fail:
     conn_free(c);
+    return e;
+}
+
+/* OpenSSL writes to the socket with write(): a relay that is gone would raise
+ * SIGPIPE, which kills a process that did not ignore it (a stage does not).
+ * SIGPIPE is blocked on this thread while it sets the connection up, and the
+ * pump thread is created then, so it inherits the blocked signal for its
+ * life: such a write fails with EPIPE instead (the link then reads EOF). A
+ * SIGPIPE raised here is taken off before the caller's mask returns. */
+kvs_err kvs_ws_dial(const char *url, const struct kvs_ws_opts *o, int timeout_ms, struct kvs_link **out,
+                    char *errbuf, size_t errlen)
+{
+    sigset_t pipe_set, old;
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_set, &old);
+    kvs_err e = ws_dial(url, o, timeout_ms, out, errbuf, errlen);
+    if (!sigismember(&old, SIGPIPE)) {
+        sigset_t pend;
+        const struct timespec zero = { 0, 0 };
+        while (sigpending(&pend) == 0 && sigismember(&pend, SIGPIPE) && sigtimedwait(&pipe_set, NULL, &zero) > 0) {
+        }
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     return e;
 }
