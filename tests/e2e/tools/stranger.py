@@ -23,7 +23,8 @@ def main():
     nblock, nembd, nctx, nseq, nbatch, wb, we = (int(x) for x in sys.argv[6:13])
     info = subprocess.run([KVASIR, 'gguf', 'info', model], capture_output=True, text=True).stdout
     fp = next(binascii.unhexlify(l.split()[1]) for l in info.splitlines() if l.startswith('fingerprint:'))
-    hello = frame(1, fp + struct.pack('<8I', nblock, wb, we, nembd, 1, nctx, nseq, nbatch))
+    # HELLO (PROTOCOL.md §3.1, version 3): ..., n_batch, content id (all zero: unknown)
+    hello = frame(1, fp + struct.pack('<8I', nblock, wb, we, nembd, 1, nctx, nseq, nbatch) + bytes(32))
     msg = b'GET / HTTP/1.1\r\nHost: x\r\n\r\n' if mode == 'garbage' else hello
     acc = ref = clo = 0
     for _ in range(count):
