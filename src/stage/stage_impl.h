@@ -142,6 +142,7 @@ struct kvs_stage {
     /* head: ring probes */
     uint32_t probe_no;
     uint32_t probe_min;           /* head: only a probe numbered >= this (sent after the last fault) counts */
+    int64_t live_sent;            /* head: last periodic LIVE keepalive (one per keepalive_ms, §3.8.2) */
     int64_t probe_sent, probe_back;
     int64_t progress;             /* head: last TOKEN from the tail (work got round the ring) */
     bool admit_more;              /* head: more queued requests can start: do not wait in poll */

@@ -203,7 +203,10 @@ static void timers(struct kvs_stage *s)
         if (s->is_head && now - s->probe_sent >= every) {
             s->probe_no++;
             s->probe_sent = now;
-            kvs_st_head_send_live(s); /* stages free slots of requests ended here (§3.8.2) */
+            if (now - s->live_sent >= s->p.keepalive_ms) { /* stages free slots of requests ended here (§3.8.2) */
+                s->live_sent = now;
+                kvs_st_head_send_live(s);
+            }
             if (s->out_state == OUT_UP) kvs_st_send_probe(s, s->probe_no, 0, 0);
         } else if (now - s->out_last_write >= s->p.keepalive_ms) {
             kvs_st_send_simple(s, KVS_FRAME_KEEPALIVE, 0, 0, 0);
