@@ -610,7 +610,7 @@ static enum MHD_Result handle_generate(struct kvs_api *a, struct MHD_Connection 
 
     if (kvs_api_parse_request(kind, body, len, &j->rq, &err)) goto reject;
     if (build_prompt(a, j, &ids, &n_ids, &err)) goto reject;
-    if (!kvs_stage_ring_ready(a->head)) {
+    if (!kvs_stage_ring_ready(a->head) && !kvs_stage_ring_holding(a->head)) { /* holding: it waits (§5.1) */
         char why[256], msg[400];
         if (kvs_stage_ring_error(a->head, why, sizeof why) != KVS_OK && why[0])
             snprintf(msg, sizeof msg, "the ring cannot close: %s", why);

@@ -399,6 +399,14 @@ bool kvs_stage_ring_ready(struct kvs_stage *s)
     return r;
 }
 
+bool kvs_stage_ring_holding(struct kvs_stage *s)
+{
+    pthread_mutex_lock(&s->mu);
+    bool r = s->met.ring_holding;
+    pthread_mutex_unlock(&s->mu);
+    return r;
+}
+
 kvs_err kvs_stage_wait_ready(struct kvs_stage *s, int timeout_ms)
 {
     int64_t deadline = kvs_link_now_ms() + timeout_ms;

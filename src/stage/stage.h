@@ -175,6 +175,11 @@ kvs_err kvs_stage_cancel(struct kvs_stage *s, uint32_t req);
 /* True when both links are up and a ring probe returned within the timeout
  * (head); for other stages, when both links are up. */
 bool kvs_stage_ring_ready(struct kvs_stage *s);
+/* Head: true while the ring is broken but the head holds its requests for a
+ * replay (within replay_deadline_ms of the fault, PROTOCOL.md §5.1): a request
+ * submitted now waits in the queue and is served once the ring is whole, or
+ * fails when the deadline passes. Thread-safe. */
+bool kvs_stage_ring_holding(struct kvs_stage *s);
 /* Blocks until ring_ready (KVS_OK) or timeout_ms passes (KVS_ERR_TIMEOUT).
  * Returns early when the ring cannot close: a neighbour's handshake was
  * refused (its code, usually KVS_ERR_MISMATCH; kvs_stage_ring_error says
@@ -202,6 +207,8 @@ struct kvs_stage_metrics {
     uint64_t requests_failed;   /* head: ended with ERROR (incl. cancelled) */
     uint64_t requests_replayed; /* head: replays of held requests after a fault (§5.1; one per request and fault) */
     int32_t n_held;             /* head: requests held now, waiting for the ring to be whole again */
+    bool ring_holding;          /* head: the ring broke and is not whole again yet, within the replay deadline:
+                                 * requests submitted now wait in the queue (§5.1) */
     uint64_t tokens_generated;  /* head: TOKEN events; tail: tokens sampled */
     uint64_t prefill_tokens;    /* tokens run through this window as prompt */
     uint64_t decode_rows;       /* decode rows run through this window */

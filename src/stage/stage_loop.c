@@ -25,6 +25,7 @@ void kvs_st_met_update(struct kvs_stage *s)
     pthread_mutex_lock(&s->mu);
     s->met.n_active = kvs_st_n_active(s);
     s->met.n_queued = s->n_queue;
+    s->met.ring_holding = s->is_head && s->hold_since != 0;
     s->met.n_held = 0;
     for (int32_t i = 0; i < s->n_seq; i++) s->met.n_held += s->seqs[i].used && s->seqs[i].held;
     s->met.in_up = s->in != NULL;
