@@ -69,6 +69,7 @@ struct synth_cfg {
     bool hybrid;
     bool tied;
     enum kvs_type type;
+    bool k_mix; /* --type q4_k_m / q5_k_m: Q6_K for the LM head and some attn_v / ffn_down */
     uint64_t seed;
 };
 
@@ -95,8 +96,11 @@ static void usage(FILE *f)
             "         [--n-expert X --n-expert-used K --n-ff-exp FE] [--tied] [--ctx N]\n"
             "         [--n-rot R] [--ssm-state d] [--ssm-groups HK] [--ssm-heads HV] [--ssm-conv C]\n"
             "         [--attn-interval I] [--n-ff-shexp FS]            (qwen35, qwen35moe)\n"
-            "         --type q8_0|q4_0|f16|f32 --seed S -o FILE\n"
+            "         --type q8_0|q4_0|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m|q5_k_m|f16|f32 --seed S -o FILE\n"
             "Writes a GGUF v3 model with random weights (deterministic in the arguments).\n"
+            "q4_k_m / q5_k_m: Q4_K / Q5_K weights with Q6_K for the LM head (output, or the tied\n"
+            "token_embd) and for attn_v and ffn_down of the first and last eighth of the blocks and\n"
+            "every third block between (llama-quantize's Q4_K_M / Q5_K_M mix).\n"
             "Defaults: H = E/64 (at least 1), HKV = H, D = E/H, F = 3E, V = 512 (min %zu),\n"
             "K = 2, FE = F/K, ctx 2048; qwen35*: R = D/4, d = 128, HK = 16, HV = 2·HK, C = 4, I = 4,\n"
             "FS = FE.\n",
@@ -117,28 +121,39 @@ static bool parse_i64(const char *opt, const char *s, int64_t lo, int64_t hi, in
     return true;
 }
 
-static bool parse_type(const char *s, enum kvs_type *t)
+static bool parse_type(const char *s, enum kvs_type *t, bool *k_mix)
 {
     static const struct {
         const char *name;
         enum kvs_type type;
-    } types[] = { { "q8_0", KVS_TYPE_Q8_0 }, { "q4_0", KVS_TYPE_Q4_0 }, { "f16", KVS_TYPE_F16 },
-                  { "f32", KVS_TYPE_F32 } };
+        bool mix;
+    } types[] = { { "q8_0", KVS_TYPE_Q8_0, false }, { "q4_0", KVS_TYPE_Q4_0, false }, { "f16", KVS_TYPE_F16, false },
+                  { "f32", KVS_TYPE_F32, false },   { "q2_k", KVS_TYPE_Q2_K, false }, { "q3_k", KVS_TYPE_Q3_K, false },
+                  { "q4_k", KVS_TYPE_Q4_K, false }, { "q5_k", KVS_TYPE_Q5_K, false }, { "q6_k", KVS_TYPE_Q6_K, false },
+                  { "q4_k_m", KVS_TYPE_Q4_K, true }, { "q5_k_m", KVS_TYPE_Q5_K, true } };
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
         if (!strcmp(s, types[i].name)) {
             *t = types[i].type;
+            *k_mix = types[i].mix;
             return true;
         }
     return false;
 }
 
-/* llama_ftype of a uniform file (gguf-facts §3.1). */
-static uint32_t file_type_of(enum kvs_type t)
+/* llama_ftype of the file (gguf-facts §3.1): a uniform type, or the K-quant
+ * mixes Q4_K_M (15) / Q5_K_M (17); uniform Q3_K, Q4_K, Q5_K files are the
+ * "_S" ftypes. */
+static uint32_t file_type_of(enum kvs_type t, bool k_mix)
 {
     switch (t) {
     case KVS_TYPE_F16: return 1;
     case KVS_TYPE_Q4_0: return 2;
     case KVS_TYPE_Q8_0: return 7;
+    case KVS_TYPE_Q2_K: return 10;
+    case KVS_TYPE_Q3_K: return 11;
+    case KVS_TYPE_Q4_K: return k_mix ? 15 : 14;
+    case KVS_TYPE_Q5_K: return k_mix ? 17 : 16;
+    case KVS_TYPE_Q6_K: return 18;
     default: return 0;
     }
 }
@@ -171,8 +186,9 @@ static int parse_args(int argc, char **argv, struct synth_cfg *c)
         else if (!strcmp(a, "-o") || !strcmp(a, "--output"))
             c->out = v;
         else if (!strcmp(a, "--type")) {
-            if (!parse_type(v, &c->type)) {
-                fprintf(stderr, "kvasir gguf synth: --type: expected q8_0, q4_0, f16 or f32, got '%s'\n", v);
+            if (!parse_type(v, &c->type, &c->k_mix)) {
+                fprintf(stderr, "kvasir gguf synth: --type: expected q8_0, q4_0, q2_k, q3_k, q4_k, q5_k, q6_k, q4_k_m, "
+                                "q5_k_m, f16 or f32, got '%s'\n", v);
                 return 2;
             }
         } else if (!strcmp(a, "--seed")) {
@@ -343,8 +359,14 @@ static size_t describe(const struct synth_cfg *c, struct synth_tensor *t)
     const bool qwen2 = !strcmp(c->arch, "qwen2");
     const bool qk_norm = !strcmp(c->arch, "qwen3") || !strcmp(c->arch, "qwen3moe");
     char name[KVS_GGUF_MAX_NAME];
-    add_t(t, &n, "token_embd.weight", w, SYNTH_WEIGHT, 2, E, c->n_vocab, 1);
+    /* Q4_K_M / Q5_K_M: the LM head in Q6_K; attn_v and ffn_down in Q6_K on the
+     * "more bits" blocks (the first and last eighth, every third between) */
+    const enum kvs_type head = c->k_mix ? KVS_TYPE_Q6_K : w;
+    add_t(t, &n, "token_embd.weight", c->tied ? head : w, SYNTH_WEIGHT, 2, E, c->n_vocab, 1);
     for (int64_t b = 0; b < c->n_block; b++) {
+        const int64_t L = c->n_block;
+        const bool more = c->k_mix && (b < L / 8 || b >= 7 * L / 8 || (b - L / 8) % 3 == 2);
+        const enum kvs_type wv = more ? KVS_TYPE_Q6_K : w;
 #define BLK(suffix, type, kind, nd, a0, a1, a2)                                                         \
     do {                                                                                              \
         snprintf(name, sizeof name, "blk.%" PRId64 ".%s", b, suffix);                                 \
@@ -375,7 +397,7 @@ static size_t describe(const struct synth_cfg *c, struct synth_tensor *t)
         } else {
         BLK("attn_q.weight", w, SYNTH_WEIGHT, 2, E, q, 1);
         BLK("attn_k.weight", w, SYNTH_WEIGHT, 2, E, kv, 1);
-        BLK("attn_v.weight", w, SYNTH_WEIGHT, 2, E, kv, 1);
+        BLK("attn_v.weight", wv, SYNTH_WEIGHT, 2, E, kv, 1);
         if (qwen2) {
             BLK("attn_q.bias", f, SYNTH_BIAS, 1, q, 1, 1);
             BLK("attn_k.bias", f, SYNTH_BIAS, 1, kv, 1, 1);
@@ -403,13 +425,13 @@ static size_t describe(const struct synth_cfg *c, struct synth_tensor *t)
         } else {
             BLK("ffn_gate.weight", w, SYNTH_WEIGHT, 2, E, c->n_ff, 1);
             BLK("ffn_up.weight", w, SYNTH_WEIGHT, 2, E, c->n_ff, 1);
-            BLK("ffn_down.weight", w, SYNTH_WEIGHT, 2, c->n_ff, E, 1);
+            BLK("ffn_down.weight", wv, SYNTH_WEIGHT, 2, c->n_ff, E, 1);
         }
 #undef BLK
     }
     add_t(t, &n, "output_norm.weight", f, SYNTH_NORM, 1, E, 1, 1);
     if (!c->tied)
-        add_t(t, &n, "output.weight", w, SYNTH_WEIGHT, 2, E, c->n_vocab, 1);
+        add_t(t, &n, "output.weight", head, SYNTH_WEIGHT, 2, E, c->n_vocab, 1);
     return n;
 }
 
@@ -509,7 +531,7 @@ static kvs_err set_metadata(struct kvs_gguf_writer *w, const struct synth_cfg *c
     } while (0)
     if ((e = kvs_gguf_writer_set_str(w, "general.architecture", c->arch)) ||
         (e = kvs_gguf_writer_set_str(w, "general.name", "kvasir-synth")) ||
-        (e = kvs_gguf_writer_set_u32(w, "general.file_type", file_type_of(c->type))) ||
+        (e = kvs_gguf_writer_set_u32(w, "general.file_type", file_type_of(c->type, c->k_mix))) ||
         (e = kvs_gguf_writer_set_u32(w, "general.quantization_version", 2)))
         return e;
     const bool llama = !strcmp(c->arch, "llama");

@@ -74,7 +74,9 @@ bool kvs_vec_all_finite(const float *x, size_t n);
 
 /* Reference weight quantizer (to create files: synth, tests): F32 -> type
  * for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16, F32 (gguf-facts §2.3
- * reference quantizers). Returns KVS_ERR_UNSUPPORTED for other types. */
+ * reference quantizers) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (a plain
+ * range-mapping recipe of our own, kernels_wquant_k.c; layouts §2.4).
+ * Returns KVS_ERR_UNSUPPORTED for other types. */
 kvs_err kvs_quantize_weights(enum kvs_type type, const float *src, void *dst, int64_t n);
 
 /* --- thread pool -------------------------------------------------------- */

@@ -91,6 +91,9 @@ struct kvs_kernels {
  * `type` (0 if the type has no packed layout): quads of 32-element blocks,
  * each quad 128 quants, 16 int32 offset corrections and 16 float scales. */
 #define KVS_PACK_QUAD_BYTES 256
+/* K-quant weights (Q4_K, Q5_K, Q6_K): per 256-element super-block the Q8_K
+ * quants, bsums, pair sums of bsums and d (kernels_x86_impl.h). */
+#define KVS_PACKK_BYTES 320
 size_t kvs_kernels_pack_row_bytes(enum kvs_type type, int64_t n);
 
 /* Packed weights (kvs_matrix_pack): a group of KVS_PACKW_ROWS rows is
@@ -145,6 +148,12 @@ float kvs_ref_dot_q4_K(int64_t n, const void *w, const void *a);
 float kvs_ref_dot_q5_K(int64_t n, const void *w, const void *a);
 float kvs_ref_dot_q6_K(int64_t n, const void *w, const void *a);
 void kvs_ref_f16_scale(uint16_t *y, float s, int64_t n);
+/* K-quant weight quantizers (kernels_wquant_k.c; kvs_quantize_weights). */
+void kvs_wquant_q2_K(const float *src, void *dst, int64_t n);
+void kvs_wquant_q3_K(const float *src, void *dst, int64_t n);
+void kvs_wquant_q4_K(const float *src, void *dst, int64_t n);
+void kvs_wquant_q5_K(const float *src, void *dst, int64_t n);
+void kvs_wquant_q6_K(const float *src, void *dst, int64_t n);
 void kvs_ref_f16_mad(uint16_t *y, const uint16_t *x, float s, int64_t n);
 
 /* Q4_K/Q5_K packed 6-bit scale and min of sub-block j (gguf-facts §2.4). */

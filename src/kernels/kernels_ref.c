@@ -739,6 +739,11 @@ kvs_err kvs_quantize_weights(enum kvs_type type, const float *src, void *dst, in
     case KVS_TYPE_Q5_0: kvs_wquant_q5_0(src, dst, n); return KVS_OK;
     case KVS_TYPE_Q5_1: kvs_wquant_q5_1(src, dst, n); return KVS_OK;
     case KVS_TYPE_Q8_0: kvs_wquant_q8_0(src, dst, n); return KVS_OK;
+    case KVS_TYPE_Q2_K: kvs_wquant_q2_K(src, dst, n); return KVS_OK;
+    case KVS_TYPE_Q3_K: kvs_wquant_q3_K(src, dst, n); return KVS_OK;
+    case KVS_TYPE_Q4_K: kvs_wquant_q4_K(src, dst, n); return KVS_OK;
+    case KVS_TYPE_Q5_K: kvs_wquant_q5_K(src, dst, n); return KVS_OK;
+    case KVS_TYPE_Q6_K: kvs_wquant_q6_K(src, dst, n); return KVS_OK;
     default: return KVS_ERR_UNSUPPORTED;
     }
 }

@@ -337,8 +337,54 @@ static void test_quant_weights(void **state)
         assert_true(out[j] == x[j]);
     float y[256] = {0};
     uint8_t big[144];
-    assert_int_equal(kvs_quantize_weights(KVS_TYPE_Q4_K, y, big, 256), KVS_ERR_UNSUPPORTED);
+    assert_int_equal(kvs_quantize_weights(KVS_TYPE_Q8_1, y, big, 256), KVS_ERR_UNSUPPORTED);
     assert_int_equal(kvs_quantize_weights(KVS_TYPE_Q8_0, x, b, 31), KVS_ERR_ARG);
+}
+
+/* K-quant weight quantizers: integers on the quant grid come back (up to
+ * the F16 rounding of d: relative 1e-3), and smooth data comes back within
+ * each type's expected error (RMS error / RMS value, two super-blocks of a
+ * sine with an offset, sub-blocks of different ranges). */
+static void test_quant_weights_k(void **state)
+{
+    (void)state;
+    static const struct {
+        enum kvs_type t;
+        int qlo, qhi; /* an exactly representable integer range */
+        double rel;   /* RMS error bound on the smooth data */
+    } cases[] = {
+        {KVS_TYPE_Q2_K, 0, 3, 0.30},  {KVS_TYPE_Q3_K, -4, 3, 0.20}, {KVS_TYPE_Q4_K, 0, 15, 0.06},
+        {KVS_TYPE_Q5_K, 0, 31, 0.03}, {KVS_TYPE_Q6_K, -32, 31, 0.015},
+    };
+    float x[512], out[512];
+    uint8_t b[2 * 210];
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const int span = cases[c].qhi - cases[c].qlo + 1;
+        for (int e = 0; e < 512; e++)
+            x[e] = (float)(cases[c].qlo + (e * 7) % span);
+        for (int e = 0; e < 512; e += 16) /* every sub-block spans the whole grid */
+            x[e] = (float)cases[c].qlo, x[e + 1] = (float)cases[c].qhi;
+        assert_int_equal(kvs_quantize_weights(cases[c].t, x, b, 512), KVS_OK);
+        kvs_dequantize_row(scalar(), cases[c].t, b, out, 512);
+        for (int e = 0; e < 512; e++)
+            if (fabsf(out[e] - x[e]) > 1e-3f * fabsf(x[e]) + 1e-3f) {
+                print_error("%s [%d]: %g -> %g\n", kvs_type_name(cases[c].t), e, x[e], out[e]);
+                fail();
+            }
+        double se = 0.0, sx = 0.0;
+        for (int e = 0; e < 512; e++)
+            x[e] = 0.3f + sinf((float)e * 0.37f) * (1.0f + (float)(e / 32) * 0.2f);
+        assert_int_equal(kvs_quantize_weights(cases[c].t, x, b, 512), KVS_OK);
+        kvs_dequantize_row(scalar(), cases[c].t, b, out, 512);
+        for (int e = 0; e < 512; e++) {
+            se += (double)(out[e] - x[e]) * (out[e] - x[e]);
+            sx += (double)x[e] * x[e];
+        }
+        double rel = sqrt(se / sx);
+        print_message("%s: RMS error %.4f of RMS value\n", kvs_type_name(cases[c].t), rel);
+        assert_true(rel < cases[c].rel);
+        assert_int_equal(kvs_quantize_weights(cases[c].t, x, b, 100), KVS_ERR_ARG);
+    }
 }
 
 static void test_types(void **state)
@@ -355,7 +401,9 @@ static void test_types(void **state)
      * of blocks * 256 bytes * 3, + 64 for alignment) is larger than Q8_0's
      * 32 blocks * 34 bytes * 3 */
     assert_int_equal(kvs_matmul_scratch_bytes(KVS_TYPE_Q4_0, 1024, 3), 6208);
-    assert_int_equal(kvs_matmul_scratch_bytes(KVS_TYPE_Q6_K, 512, 2), 1168);
+    /* Q6_K for 512 features and 2 tokens: the K-quant GEMM layout (2
+     * super-blocks * 320 bytes * 2, + 64) is larger than Q8_K's 2 * 292 * 2 */
+    assert_int_equal(kvs_matmul_scratch_bytes(KVS_TYPE_Q6_K, 512, 2), 1344);
     assert_non_null(kvs_kernels_get(KVS_ISA_SCALAR));
     assert_non_null(kvs_kernels_best());
     assert_string_equal(kvs_isa_name(KVS_ISA_AVX512), "avx512");
@@ -375,6 +423,7 @@ int main(void)
         cmocka_unit_test(test_quant_q8_0_ties),
         cmocka_unit_test(test_quant_q8_k),
         cmocka_unit_test(test_quant_weights),
+        cmocka_unit_test(test_quant_weights_k),
         cmocka_unit_test(test_types),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

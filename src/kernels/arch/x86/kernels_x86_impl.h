@@ -588,6 +588,306 @@ static float kvs_x86_dot_q3_K(int64_t n, const void *w, const void *a)
     return sum;
 }
 
+/* --- K-quant GEMM (Q4_K, Q5_K, Q6_K) over a packed Q8_K activation layout ---
+ *
+ * Activations (kvs_kernels_pack_row_bytes): per super-block KVS_PACKK_BYTES
+ * = 320 bytes: the Q8_K block's 256 quants, its 16 bsums (int16), the 8 sums
+ * of bsum pairs (one per 32-element sub-block, for the Q4_K/Q5_K mins) and
+ * the float d; quantized exactly as kvs_x86_quant_q8_K.
+ *
+ * Weights are read in the file's layout. A tile is R weight rows x T
+ * activation rows; for each (row, super-block) the quants are unpacked once
+ * to unsigned bytes in element order (32 elements = one Q4_K/Q5_K sub-block
+ * or two Q6_K sub-blocks per register) together with a register of the
+ * sub-block scales (int16 lanes), and every token of the tile then costs per
+ * 32 elements one maddubs (u8 x s8 pairs -> int16; |pair| <= 2 * 63 * 127
+ * fits) and one madd / vpdpwssd (x scale -> int32). The integer super-block
+ * sums are exactly the reference's; the Q6_K offset (q - 32) comes back as
+ * 32 * sum scale_s * bsums_s, the Q4_K/Q5_K mins as sum mn_j * pair sum_j.
+ * Per super-block and token the integer sums are reduced and combined in
+ * float exactly as the reference and the single-row dot do (sum += d * d_y
+ * * sa - dmin * d_y * sm, super-blocks in order), so that results equal the
+ * vec_dot path bit for bit: a model's outputs do not move with the path
+ * (MoE routing near ties would amplify any difference). Decode (T = 1) uses tiles of 4 rows, prefill 1 row x
+ * KVS_X86_KQ_T tokens. */
+
+#define KVS_PACKK_QS 0
+#define KVS_PACKK_BSUMS 256
+#define KVS_PACKK_PSUMS 288
+#define KVS_PACKK_D 304
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVS_X86_KQ_T 8 /* 32 vector registers */
+#else
+#define KVS_X86_KQ_T 4
+#endif
+#ifndef KVS_X86_KQ_PREFETCH
+#define KVS_X86_KQ_PREFETCH 512 /* bytes ahead in each weight row into L1; 0: none */
+#endif
+#ifndef KVS_X86_KQ_PREFETCH_L2
+#define KVS_X86_KQ_PREFETCH_L2 16384 /* bytes ahead into L2 (rows are contiguous: the next tiles); 0: none */
+#endif
+
+static void kvs_x86_pack_q8_Kx(const float *src, void *dst, int64_t n)
+{
+    char *out = dst;
+    for (int64_t i = 0; i < n / KVS_QK_K; i++, out += KVS_PACKK_BYTES) {
+        kvs_block_q8_K b;
+        kvs_x86_quant_q8_K(src + i * KVS_QK_K, &b, KVS_QK_K);
+        int16_t ps[8];
+        for (int j = 0; j < 8; j++)
+            ps[j] = (int16_t)(b.bsums[2 * j] + b.bsums[2 * j + 1]); /* |.| <= 32 * 127 */
+        memcpy(out + KVS_PACKK_QS, b.qs, sizeof b.qs);
+        memcpy(out + KVS_PACKK_BSUMS, b.bsums, sizeof b.bsums);
+        memcpy(out + KVS_PACKK_PSUMS, ps, sizeof ps);
+        memcpy(out + KVS_PACKK_D, &b.d, sizeof b.d);
+        memset(out + KVS_PACKK_D + 4, 0, KVS_PACKK_BYTES - KVS_PACKK_D - 4);
+    }
+}
+
+/* acc + sum over pairs of (u * s) * sc: u unsigned, s signed bytes, sc int16
+ * (callers bound |u * s| pairs by 32767 and the products by int32). */
+static inline __m256i kvs_x86_mad_sc(__m256i acc, __m256i u, __m256i s, __m256i sc)
+{
+    __m256i p = _mm256_maddubs_epi16(u, s);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, p, sc);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
+#endif
+}
+
+/* Q4_K/Q5_K 12-byte scales as 8 scales and 8 mins in bytes (kvs_q4k_scale_min
+ * for all j at once: j < 4 the low 6 bits of bytes j / j + 4, j >= 4 the
+ * nibbles of bytes j + 4 with the top 2 bits of bytes j - 4 / j). */
+static inline void kvs_x86_q4k_scales8(const uint8_t *b, uint64_t *sc, uint64_t *mn)
+{
+    uint32_t w0, w1, w2;
+    memcpy(&w0, b, 4);
+    memcpy(&w1, b + 4, 4);
+    memcpy(&w2, b + 8, 4);
+    *sc = (uint64_t)(w0 & 0x3F3F3F3Fu) | (uint64_t)((w2 & 0x0F0F0F0Fu) | ((w0 >> 6) & 0x03030303u) << 4) << 32;
+    *mn = (uint64_t)(w1 & 0x3F3F3F3Fu) | (uint64_t)(((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 6) & 0x03030303u) << 4) << 32;
+}
+
+/* int16 word k of both 128-bit lanes (lane 0: word lo, lane 1: word hi) in
+ * every word of the lane: a pshufb index. */
+static inline __m256i kvs_x86_word_idx(int lo, int hi)
+{
+    return _mm256_set_m128i(_mm_set1_epi16((short)((2 * hi) | (2 * hi + 1) << 8)),
+                            _mm_set1_epi16((short)((2 * lo) | (2 * lo + 1) << 8)));
+}
+
+static inline __attribute__((always_inline)) void kvs_x86_kq_tile(const int type, const int R, const int T, int64_t nb,
+                                                                  const char *w, size_t w_stride, const char *a,
+                                                                  size_t a_stride, float *y, size_t y_stride)
+{
+    const size_t bb = type == KVS_TYPE_Q4_K ? sizeof(kvs_block_q4_K)
+                      : type == KVS_TYPE_Q5_K ? sizeof(kvs_block_q5_K)
+                                              : sizeof(kvs_block_q6_K);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    float accf[4][KVS_X86_KQ_T];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++)
+            accf[r][t] = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        const char *ab = a + (size_t)i * KVS_PACKK_BYTES;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const char *wb = w + (size_t)r * w_stride + (size_t)i * bb;
+#if KVS_X86_KQ_PREFETCH > 0
+            _mm_prefetch(wb + KVS_X86_KQ_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch(wb + KVS_X86_KQ_PREFETCH + 64, _MM_HINT_T0);
+            _mm_prefetch(wb + KVS_X86_KQ_PREFETCH + 128, _MM_HINT_T0);
+            if (type == KVS_TYPE_Q6_K)
+                _mm_prefetch(wb + KVS_X86_KQ_PREFETCH + 192, _MM_HINT_T0);
+#endif
+#if KVS_X86_KQ_PREFETCH_L2 > 0
+            _mm_prefetch(wb + KVS_X86_KQ_PREFETCH_L2, _MM_HINT_T1);
+            _mm_prefetch(wb + KVS_X86_KQ_PREFETCH_L2 + 64, _MM_HINT_T1);
+            _mm_prefetch(wb + KVS_X86_KQ_PREFETCH_L2 + 128, _MM_HINT_T1);
+            if (type == KVS_TYPE_Q6_K)
+                _mm_prefetch(wb + KVS_X86_KQ_PREFETCH_L2 + 192, _MM_HINT_T1);
+#endif
+            /* decode: a second accumulator per row halves the vpdpwssd
+             * dependency chain (prefill has T independent chains) */
+            __m256i acci[KVS_X86_KQ_T], acc2 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++)
+                acci[t] = _mm256_setzero_si256();
+            if (type == KVS_TYPE_Q6_K) {
+                const kvs_block_q6_K *x = (const kvs_block_q6_K *)wb;
+                const __m256i S = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
+                const __m256i m2 = _mm256_set1_epi8(3);
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    const __m256i Sh = _mm256_permute2x128_si256(S, S, h ? 0x11 : 0x00);
+                    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h));
+                    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h + 32));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
+#pragma GCC unroll 4
+                    for (int g = 0; g < 4; g++) {
+                        const __m256i lo = (g & 1) ? l1 : l0;
+                        __m256i v = g < 2 ? _mm256_and_si256(lo, m4) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
+                        __m256i hb = _mm256_and_si256(g ? _mm256_srli_epi16(qh, 2 * g) : qh, m2);
+                        v = _mm256_or_si256(v, _mm256_slli_epi16(hb, 4));
+                        const __m256i sv = _mm256_shuffle_epi8(Sh, kvs_x86_word_idx(2 * g, 2 * g + 1));
+                        if (T == 1 && (g & 1)) {
+                            acc2 = kvs_x86_mad_sc(acc2, v, _mm256_loadu_si256((const __m256i *)(ab + 128 * h + 32 * g)), sv);
+                            continue;
+                        }
+#pragma GCC unroll 8
+                        for (int t = 0; t < T; t++)
+                            acci[t] = kvs_x86_mad_sc(acci[t], v,
+                                                     _mm256_loadu_si256((const __m256i *)(ab + (size_t)t * a_stride +
+                                                                                          128 * h + 32 * g)),
+                                                     sv);
+                    }
+                }
+                const float d = KVS_F16(x->d);
+                if (T == 1)
+                    acci[0] = _mm256_add_epi32(acci[0], acc2);
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) {
+                    const char *at = ab + (size_t)t * a_stride;
+                    const __m256i off = _mm256_madd_epi16(S, _mm256_loadu_si256((const __m256i *)(at + KVS_PACKK_BSUMS)));
+                    const int sa = kvs_x86_hsum_epi32(_mm256_sub_epi32(acci[t], _mm256_slli_epi32(off, 5)));
+                    float dy;
+                    memcpy(&dy, at + KVS_PACKK_D, 4);
+                    accf[r][t] += d * dy * (float)sa;
+                }
+            } else {
+                const kvs_block_q4_K *x4 = (const kvs_block_q4_K *)wb;
+                const kvs_block_q5_K *x5 = (const kvs_block_q5_K *)wb;
+                const uint8_t *scales = type == KVS_TYPE_Q4_K ? x4->scales : x5->scales;
+                const uint8_t *qs = type == KVS_TYPE_Q4_K ? x4->qs : x5->qs;
+                uint64_t sc8, mn8;
+                kvs_x86_q4k_scales8(scales, &sc8, &mn8);
+                const __m256i scv = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
+                const __m128i mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn8));
+                __m256i qh = _mm256_setzero_si256();
+                if (type == KVS_TYPE_Q5_K)
+                    qh = _mm256_loadu_si256((const __m256i *)x5->qh);
+                const __m256i b4 = _mm256_set1_epi8(0x10);
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                    __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                    if (type == KVS_TYPE_Q5_K) {
+                        /* bit 2c (lo) / 2c + 1 (hi) of qh[l] moved to bit 4 of each byte */
+                        const __m256i hl = 2 * c <= 4 ? _mm256_slli_epi16(qh, 4 - 2 * c) : _mm256_srli_epi16(qh, 2 * c - 4);
+                        const __m256i hh = 2 * c + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - 2 * c) : _mm256_srli_epi16(qh, 2 * c - 3);
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(hl, b4));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(hh, b4));
+                    }
+                    const __m256i slo = _mm256_shuffle_epi8(scv, kvs_x86_word_idx(2 * c, 2 * c));
+                    const __m256i shi = _mm256_shuffle_epi8(scv, kvs_x86_word_idx(2 * c + 1, 2 * c + 1));
+                    if (T == 1) {
+                        acci[0] = kvs_x86_mad_sc(acci[0], lo, _mm256_loadu_si256((const __m256i *)(ab + 64 * c)), slo);
+                        acc2 = kvs_x86_mad_sc(acc2, hi, _mm256_loadu_si256((const __m256i *)(ab + 64 * c + 32)), shi);
+                        continue;
+                    }
+#pragma GCC unroll 8
+                    for (int t = 0; t < T; t++) {
+                        const char *aq = ab + (size_t)t * a_stride + 64 * c;
+                        acci[t] = kvs_x86_mad_sc(acci[t], lo, _mm256_loadu_si256((const __m256i *)aq), slo);
+                        acci[t] = kvs_x86_mad_sc(acci[t], hi, _mm256_loadu_si256((const __m256i *)(aq + 32)), shi);
+                    }
+                }
+                if (T == 1)
+                    acci[0] = _mm256_add_epi32(acci[0], acc2);
+                const float d = KVS_F16(type == KVS_TYPE_Q4_K ? x4->d : x5->d);
+                const float dmin = KVS_F16(type == KVS_TYPE_Q4_K ? x4->dmin : x5->dmin);
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) {
+                    const char *at = ab + (size_t)t * a_stride;
+                    const __m128i m = _mm_madd_epi16(mn16, _mm_loadu_si128((const __m128i *)(at + KVS_PACKK_PSUMS)));
+                    /* [sa, sm, sa, sm] from the 8 + 4 lanes */
+                    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acci[t]), _mm256_extracti128_si256(acci[t], 1));
+                    h = _mm_hadd_epi32(h, m);
+                    h = _mm_hadd_epi32(h, h);
+                    const int sa = _mm_cvtsi128_si32(h), sm = _mm_extract_epi32(h, 1);
+                    float dy;
+                    memcpy(&dy, at + KVS_PACKK_D, 4);
+                    accf[r][t] += d * dy * (float)sa - dmin * dy * (float)sm;
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            y[(size_t)t * y_stride + (size_t)r] = accf[r][t];
+}
+
+#define KVS_X86_KQ_TCASE(N)                                                                          \
+    case N:                                                                                          \
+        if (N < KVS_X86_KQ_T)                                                                        \
+            kvs_x86_kq_tile(type, 1, N < KVS_X86_KQ_T ? N : 1, nb, wr, w_stride, at, a_stride, yt, y_stride); \
+        break;
+
+static inline __attribute__((always_inline)) void kvs_x86_kq_gemm(const int type, int64_t n, const void *w,
+                                                                  size_t w_stride, int64_t nr, const void *a,
+                                                                  size_t a_stride, int64_t nt, float *y,
+                                                                  size_t y_stride)
+{
+    const int64_t nb = n / KVS_QK_K;
+    const char *W = w, *A = a;
+    if (nt == 1) {
+        int64_t r = 0;
+        for (; r + 4 <= nr; r += 4)
+            kvs_x86_kq_tile(type, 4, 1, nb, W + (size_t)r * w_stride, w_stride, A, a_stride, y + r, y_stride);
+        const char *wr = W + (size_t)r * w_stride;
+        switch (nr - r) {
+        case 1: kvs_x86_kq_tile(type, 1, 1, nb, wr, w_stride, A, a_stride, y + r, y_stride); break;
+        case 2: kvs_x86_kq_tile(type, 2, 1, nb, wr, w_stride, A, a_stride, y + r, y_stride); break;
+        case 3: kvs_x86_kq_tile(type, 3, 1, nb, wr, w_stride, A, a_stride, y + r, y_stride); break;
+        default: break;
+        }
+        return;
+    }
+    for (int64_t r = 0; r < nr; r++) {
+        const char *wr = W + (size_t)r * w_stride;
+        int64_t t = 0;
+        for (; t + KVS_X86_KQ_T <= nt; t += KVS_X86_KQ_T)
+            kvs_x86_kq_tile(type, 1, KVS_X86_KQ_T, nb, wr, w_stride, A + (size_t)t * a_stride, a_stride,
+                            y + (size_t)t * y_stride + r, y_stride);
+        const char *at = A + (size_t)t * a_stride;
+        float *yt = y + (size_t)t * y_stride + r;
+        switch (nt - t) {
+            KVS_X86_KQ_TCASE(1)
+            KVS_X86_KQ_TCASE(2)
+            KVS_X86_KQ_TCASE(3)
+            KVS_X86_KQ_TCASE(4)
+            KVS_X86_KQ_TCASE(5)
+            KVS_X86_KQ_TCASE(6)
+            KVS_X86_KQ_TCASE(7)
+        default: break;
+        }
+    }
+}
+
+static void kvs_x86_gemm_q4_K(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a, size_t a_stride,
+                              int64_t nt, float *y, size_t y_stride)
+{
+    kvs_x86_kq_gemm(KVS_TYPE_Q4_K, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
+}
+
+static void kvs_x86_gemm_q5_K(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a, size_t a_stride,
+                              int64_t nt, float *y, size_t y_stride)
+{
+    kvs_x86_kq_gemm(KVS_TYPE_Q5_K, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
+}
+
+static void kvs_x86_gemm_q6_K(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a, size_t a_stride,
+                              int64_t nt, float *y, size_t y_stride)
+{
+    kvs_x86_kq_gemm(KVS_TYPE_Q6_K, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
+}
+
 /* Table entries shared by the AVX2 and AVX-512 tables. */
 #define KVS_X86_ENTRIES                                                                              \
     .quant_act[KVS_TYPE_Q8_0] = kvs_x86_quant_q8_0, .quant_act[KVS_TYPE_Q8_1] = kvs_x86_quant_q8_1, \
@@ -600,6 +900,9 @@ static float kvs_x86_dot_q3_K(int64_t n, const void *w, const void *a)
     .dot[KVS_TYPE_BF16] = kvs_x86_dot_bf16, .dot[KVS_TYPE_Q4_1] = kvs_x86_dot_q4_1,                 \
     .dot[KVS_TYPE_Q5_0] = kvs_x86_dot_q5_0, .dot[KVS_TYPE_Q5_1] = kvs_x86_dot_q5_1,                 \
     .dot[KVS_TYPE_Q2_K] = kvs_x86_dot_q2_K, .dot[KVS_TYPE_Q3_K] = kvs_x86_dot_q3_K,                 \
-    .quant_act[KVS_TYPE_BF16] = kvs_x86_quant_bf16, .quant_act[KVS_TYPE_F16] = kvs_x86_quant_f16
+    .quant_act[KVS_TYPE_BF16] = kvs_x86_quant_bf16, .quant_act[KVS_TYPE_F16] = kvs_x86_quant_f16,   \
+    .pack_act[KVS_TYPE_Q4_K] = kvs_x86_pack_q8_Kx, .pack_act[KVS_TYPE_Q5_K] = kvs_x86_pack_q8_Kx,   \
+    .pack_act[KVS_TYPE_Q6_K] = kvs_x86_pack_q8_Kx, .gemm[KVS_TYPE_Q4_K] = kvs_x86_gemm_q4_K,         \
+    .gemm[KVS_TYPE_Q5_K] = kvs_x86_gemm_q5_K, .gemm[KVS_TYPE_Q6_K] = kvs_x86_gemm_q6_K
 
 #endif
