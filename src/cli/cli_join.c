@@ -39,7 +39,7 @@
 static void join_usage(FILE *f)
 {
     fprintf(f, "usage: kvasir join --market URL [--mem BYTES] [--threads N] [--listen ADDR | --relay URL] [--cache DIR]\n"
-               "                   [--name NODE] [--api PORT] [--poll-ms MS]\n"
+               "                   [--name NODE] [--api PORT] [--poll-ms MS] [--key FILE]\n"
                "  --mem BYTES     memory budget for weights + KV cache + buffers (suffix K, M or G: KiB, MiB, GiB;\n"
                "                  default MemAvailable)\n"
                "  --threads N     compute threads of the stage (default 2)\n"
@@ -48,7 +48,10 @@ static void join_usage(FILE *f)
                "  --cache DIR     where fetched windows are kept (default $XDG_CACHE_HOME/kvasir or ~/.cache/kvasir)\n"
                "  --name NODE     node name on the map (default HOST-PID)\n"
                "  --api PORT      the head's OpenAI API port (default 0: any free port)\n"
-               "  --poll-ms MS    how often the map is read (default 1000)\n");
+               "  --poll-ms MS    how often the map is read (default 1000)\n"
+               "  --key FILE      node key (kvasir key gen): its public key goes in the claim and the head signs\n"
+               "                  its ring's receipts with it (docs/MARKET.md \"Ledger\"); default a fresh key\n"
+               "                  for this run\n");
 }
 
 /* What the node keeps of its listing (copied out of a parsed map). */
@@ -87,6 +90,10 @@ struct node {
     uint64_t last_tokens;
     int64_t last_report_ms;
     bool market_down_logged;
+    struct kvs_key *key;                 /* node key: its public half goes in the claim; the head signs receipts */
+    char pub_hex[KVS_KEY_PUB_HEX + 1];
+    uint64_t receipt_seq;                /* next receipt's seq (starts at the wall clock in ms: unique across restarts) */
+    uint64_t receipted;                  /* tokens_generated already covered by an accepted receipt */
 };
 
 static int64_t mono_ms(void)
@@ -154,7 +161,7 @@ static int claim(struct node *n, char *err, size_t errlen)
 {
     json_t *b = json_pack("{ss sI sI sI ss ss ss ss}", "model", n->pk.model, "ring", (json_int_t)n->pk.ring, "begin",
                           (json_int_t)n->pk.begin, "end", (json_int_t)n->pk.end, "node", n->name, "endpoint",
-                          n->endpoint, "pubkey", "", "api", n->api_url);
+                          n->endpoint, "pubkey", n->pub_hex, "api", n->api_url);
     int status = 0;
     json_t *r = call(n, "/v1/claims", b, &status, err, errlen);
     json_decref(b);
@@ -249,6 +256,56 @@ static void renew_once(struct node *n)
     json_decref(r);
 }
 
+/* The head's receipt (docs/MARKET.md "Ledger"): the tokens its ring generated since the last
+ * accepted receipt, with the claims the map shows holding the ring's windows, signed with the node
+ * key. Refused ones (the ring not fully claimed in the map yet) are retried with the next renewal.
+ * Caller holds mu; it is dropped around the HTTP calls. */
+static void receipt_once(struct node *n)
+{
+    if (!n->stage || !kvs_stage_is_head(n->stage) || !n->key) return;
+    struct kvs_stage_metrics mt;
+    kvs_stage_metrics(n->stage, &mt);
+    if (mt.tokens_generated <= n->receipted) return;
+    uint64_t tokens = mt.tokens_generated - n->receipted;
+    if (tokens > KVS_MARKET_MAX_RECEIPT_TOKENS) tokens = KVS_MARKET_MAX_RECEIPT_TOKENS;
+    struct kvs_market_receipt *r = calloc(1, sizeof *r);
+    if (!r) return;
+    snprintf(r->model, sizeof r->model, "%s", n->pk.model);
+    snprintf(r->content_id, sizeof r->content_id, "%s", n->pk.content_id);
+    r->ring = n->pk.ring;
+    r->seq = n->receipt_seq;
+    r->tokens = tokens;
+    kvs_key_public(n->key, r->head);
+    pthread_mutex_unlock(&n->mu);
+    char err[256];
+    struct kvs_market_map map;
+    char *body = NULL;
+    int status = 0;
+    if (read_map(n, &map, err, sizeof err) == KVS_OK) {
+        const struct kvs_market_listing *l = find_listing(&map, r->model);
+        for (size_t i = 0; l && i < l->n_claims && r->n_ranks < KVS_MARKET_MAX_RECEIPT_RANKS; i++)
+            if (l->claims[i].ring == r->ring)
+                r->ranks[r->n_ranks++] =
+                    (struct kvs_market_receipt_rank){ l->claims[i].id, l->claims[i].begin, l->claims[i].end };
+        kvs_market_map_free(&map);
+        char *reply = NULL;
+        if (r->n_ranks && kvs_market_receipt_sign(r, n->key, &body) == KVS_OK &&
+            kvs_market_call(n->market, "POST", "/v1/receipts", body, 5000, &status, &reply, err, sizeof err) == KVS_OK &&
+            status != 200 && status != 201)
+            KVS_LOGI("join: receipt %" PRIu64 " for %" PRIu64 " tokens refused (HTTP %d): %s", r->seq, tokens, status,
+                     reply ? reply : "");
+        free(reply);
+    }
+    free(body);
+    pthread_mutex_lock(&n->mu);
+    if (status == 200 || status == 201) {
+        n->receipted += tokens;
+        n->receipt_seq++;
+        KVS_LOGD("join: receipt %" PRIu64 ": %" PRIu64 " tokens over %zu windows", r->seq, tokens, r->n_ranks);
+    }
+    free(r);
+}
+
 static void *renew_thread(void *arg)
 {
     struct node *n = arg;
@@ -267,6 +324,7 @@ static void *renew_thread(void *arg)
         pthread_cond_timedwait(&n->cv, &n->mu, &ts);
         if (n->quit) break;
         if (n->have_claim) renew_once(n);
+        if (n->have_claim && !n->quit) receipt_once(n);
     }
     pthread_mutex_unlock(&n->mu);
     return NULL;
@@ -557,7 +615,7 @@ static kvs_err fetch(struct node *n, char *out, size_t cap)
 int kvs_cli_join(int argc, char **argv)
 {
     struct node n = { .threads = 2, .poll_ms = 1000, .sfd = -1 };
-    const char *listen = "127.0.0.1:0", *relay = NULL, *cache = NULL, *name = NULL;
+    const char *listen = "127.0.0.1:0", *relay = NULL, *cache = NULL, *name = NULL, *key_path = NULL;
     for (int i = 1; i < argc; i += 2) { /* every option takes a value */
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -580,6 +638,7 @@ int kvs_cli_join(int argc, char **argv)
         else if (!strcmp(a, "--relay")) relay = v;
         else if (!strcmp(a, "--cache")) cache = v;
         else if (!strcmp(a, "--name")) name = v;
+        else if (!strcmp(a, "--key")) key_path = v;
         else if (!strcmp(a, "--api")) bad = kvs_cli_parse_long(v, 0, 65535, &n.api_port);
         else if (!strcmp(a, "--poll-ms")) {
             bad = kvs_cli_parse_long(v, 50, 60000, &lv);
@@ -640,6 +699,21 @@ int kvs_cli_join(int argc, char **argv)
     if (mkdirs(n.cache)) {
         fprintf(stderr, "kvasir join: cannot create the cache %s: %s\n", n.cache, strerror(errno));
         return 1;
+    }
+
+    {
+        char kerr[256] = "";
+        kvs_err ke = key_path ? kvs_key_load(key_path, &n.key, kerr, sizeof kerr) : kvs_key_generate(&n.key);
+        if (ke) {
+            fprintf(stderr, "kvasir join: --key %s: %s (%s)\n", key_path ? key_path : "(new)", kerr, kvs_strerror(ke));
+            return 1;
+        }
+        uint8_t pub[KVS_KEY_PUB_BYTES];
+        kvs_key_public(n.key, pub);
+        kvs_key_public_hex(pub, n.pub_hex);
+        struct timespec rt0;
+        clock_gettime(CLOCK_REALTIME, &rt0);
+        n.receipt_seq = (uint64_t)rt0.tv_sec * 1000u + (uint64_t)rt0.tv_nsec / 1000000u;
     }
 
     sigset_t sigs, old;
@@ -706,6 +780,7 @@ int kvs_cli_join(int argc, char **argv)
     pthread_mutex_unlock(&n.mu);
     pthread_join(rt, NULL);
     KVS_LOGI("join: node %s leaves", n.name);
+    kvs_key_free(n.key);
     close(n.sfd);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     return rc;

@@ -126,6 +126,35 @@ got=$(complete "$L_API" 16)
 [[ -n $L_WANT && $got == "$L_WANT" ]] || fail "llama ring served '$got', single process '$L_WANT'"
 echo "ok: both rings serve: aidreams reference text, llama-q4_k_m == single process"
 
+# the ledger: each head signs a receipt for its ring's tokens with the key in its claim; the market
+# credits every window's node tokens x blocks (docs/MARKET.md "Ledger")
+for _ in $(seq 100); do
+  led=$(curl -sf "$MK/ledger") || fail "GET /ledger"
+  # (a receipt goes with each renewal, every lease/3: the last tokens may come one renewal later)
+  [[ $(echo "$led" | py "import json,sys; print(sorted((n['node'], n['tokens']) for n in json.load(sys.stdin)['nodes']))") == \
+     "[('a', 60), ('b', 60), ('c', 60), ('d', 16), ('e', 16)]" ]] && break
+  sleep 0.1
+done
+echo "$led" | py "
+import json, sys
+d = json.load(sys.stdin)
+names = {n['node']: n for n in d['nodes']}
+want = {'a': ('aidreams260K', 2, 60), 'b': ('aidreams260K', 1, 60), 'c': ('aidreams260K', 1, 60),
+        'd': ('llama-q4_k_m', 2, 16), 'e': ('llama-q4_k_m', 1, 16)}
+tok = {}
+for k, (model, blocks, cap) in want.items():
+    n = names.get(k)
+    assert n, 'node %s not credited: %s' % (k, d)
+    assert n['model'] == model, n
+    assert n['tokens'] == cap, ('the ring generated %d tokens' % cap, n)
+    assert n['credit'] == n['tokens'] * blocks, ('credit != tokens x blocks', n)
+    tok.setdefault(model, set()).add(n['tokens'])
+assert all(len(v) == 1 for v in tok.values()), ('one ring, one token count', tok)
+assert d['receipts'] >= 2, d
+print('ok: ledger: %d receipts; ' % d['receipts'] + ', '.join('%s %d tokens x %d blocks = %d' % (
+    n['node'], n['tokens'], n['credit'] // n['tokens'], n['credit']) for n in d['nodes']))
+" || fail "ledger: $led"
+
 # bytes: each node received its window's tensor bytes and not much more; never the whole file
 sum=0
 for n in a b c d e; do
