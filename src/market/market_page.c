@@ -2,7 +2,9 @@
  * and ring, the blocks as a bar of claimed windows (node, tokens/s) and
  * uncovered gaps (reward), redrawn from GET /map every second. Every drawn
  * window is a div.win carrying data-model, data-ring, data-begin, data-end
- * and data-node (claims) or data-reward (gaps): tests read them back. */
+ * and data-node (claims) or data-reward (gaps): tests read them back. Below,
+ * the ledger (GET /ledger): one tr.credit per node and model, carrying
+ * data-node, data-model and data-credit. */
 #include "market/market_impl.h"
 
 const char kvs_market_page_html[] =
@@ -17,9 +19,11 @@ const char kvs_market_page_html[] =
     ".claim{background:#8fd19e}.claim.ready{background:#4caf50;color:#fff}\n"
     ".gap{background:repeating-linear-gradient(45deg,#fdd,#fdd 6px,#fbb 6px,#fbb 12px)}\n"
     "#status{color:#777;font-size:12px}\n"
+    "table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #bbb;padding:2px 8px;text-align:right}\n"
     "</style></head><body>\n"
     "<h1 style=\"font-size:20px\">Kvasir market: coverage and demand</h1>\n"
     "<div id=\"status\">loading /map ...</div><div id=\"map\"></div>\n"
+    "<h2>Ledger: credit = tokens x blocks, from the heads' signed receipts</h2><div id=\"ledger\"></div>\n"
     "<script>\n"
     "'use strict';\n"
     "function el(tag, cls, text){const e=document.createElement(tag);if(cls)e.className=cls;if(text!==undefined)e.textContent=text;return e;}\n"
@@ -47,9 +51,18 @@ const char kvs_market_page_html[] =
     "  document.getElementById('status').textContent='updated '+new Date(map.now_ms).toISOString()+' (lease '+map.lease_ms+' ms); reward = '+map.reward.formula;\n"
     "  document.body.dataset.drawn=map.now_ms;\n"
     "}\n"
+    "function drawLedger(l){\n"
+    "  const root=document.getElementById('ledger');root.replaceChildren();\n"
+    "  if(!l.nodes.length){root.appendChild(el('div','label','no receipts yet'));return;}\n"
+    "  const t=el('table');const h=el('tr');for(const c of ['node','model','credit','tokens','receipts'])h.appendChild(el('th','',c));t.appendChild(h);\n"
+    "  for(const n of l.nodes){const r=el('tr','credit');r.dataset.node=n.node;r.dataset.model=n.model;r.dataset.credit=n.credit;\n"
+    "    for(const c of [n.node,n.model,n.credit,n.tokens,n.receipts])r.appendChild(el('td','',String(c)));t.appendChild(r);}\n"
+    "  root.appendChild(t);root.appendChild(el('div','label',l.receipts+' receipts'));\n"
+    "}\n"
     "async function tick(){\n"
     "  try{const r=await fetch('/map',{cache:'no-store'});if(r.ok)draw(await r.json());\n"
-    "      else document.getElementById('status').textContent='GET /map: HTTP '+r.status;}\n"
+    "      else document.getElementById('status').textContent='GET /map: HTTP '+r.status;\n"
+    "      const l=await fetch('/ledger',{cache:'no-store'});if(l.ok)drawLedger(await l.json());}\n"
     "  catch(e){document.getElementById('status').textContent='market unreachable: '+e;}\n"
     "  setTimeout(tick,1000);\n"
     "}\n"

@@ -69,6 +69,10 @@ if len([w for w in p.wins if w[4] == 'claim']) != 4 or len(p.wins) != 7:
 print('ok: the page drew %d windows, equal to /map: %s' % (len(p.wins), sorted(p.wins)))
 EOF
 grep -q '42.5 tok/s' "$T/dom.html" || fail "alpha's reported tokens/s is not shown"
+# the ledger section is drawn from GET /ledger (empty here: receipts are in test_ledger and market_ring)
+[[ $(curl -sf "$MK/ledger") == '{"kvasir_ledger":1,"receipts":0,"nodes":[]}' ]] || fail "GET /ledger: $(curl -s "$MK/ledger")"
+grep -q '<div id="ledger"><div class="label">no receipts yet</div></div>' "$T/dom.html" ||
+  fail "the page did not draw the ledger"
 timeout 60 "$CHROME" "${common[@]}" --user-data-dir="$T/chrome2" --window-size=1100,520 \
   --screenshot="$ART/market_page.png" "$MK/" >/dev/null 2>>"$T/chrome.log" || fail "chromium --screenshot failed"
 sig=$(head -c 8 "$ART/market_page.png" | od -An -tx1 | tr -d ' \n')
