@@ -19,7 +19,7 @@ if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/
 fi
 out=build-neon
 mkdir -p "$out"
-srcs="src/kernels/kernels.c src/kernels/kernels_ref.c src/kernels/kernels_ssm.c src/kernels/matmul.c
+srcs="src/kernels/kernels.c src/kernels/kernels_ref.c src/kernels/kernels_wquant_k.c src/kernels/kernels_ssm.c src/kernels/matmul.c
       src/kernels/pool.c src/kernels/arch/arm/kernels_neon.c src/kernels/arch/arm/kernels_ssm_neon.c
       src/common/log.c src/common/error.c src/gguf/gguf.c"
 # shellcheck disable=SC2086
