@@ -42,7 +42,9 @@ ask() {
   [[ $r == *"\"text\":\"$want\""* ]]
 }
 
-"$BIN" serve -m "$M" --ring 4 --seqs 8 --port "$PA" --max-per-addr 64 >"$tmp/serve.out" 2>"$tmp/serve.log" &
+# --replay-deadline 0: requests in flight at a fault fail at once (no hold and replay,
+# tests/e2e/ring_replay.sh covers that): their slots must still be freed on every stage
+"$BIN" serve -m "$M" --ring 4 --seqs 8 --port "$PA" --max-per-addr 64 --replay-deadline 0 >"$tmp/serve.out" 2>"$tmp/serve.log" &
 serve=$!
 pids+=($serve)
 for _ in $(seq 300); do [[ $(health) == 200 ]] && break; sleep 0.1; done
