@@ -78,4 +78,15 @@ kill -0 $phone_pid || fail "the phone's stage is gone"
 l=$(ss -ltnpH | grep "pid=$phone_pid," || true)
 [ -z "$l" ] || fail "the phone's stage listens: $l"
 echo "the phone's stage has no listening socket"
+# bad relay URLs and pins are start-up errors that say what is wrong
+M1=(-m "$model" --window 1:2 --insecure)
+set +e
+"$KVASIR_BIN" stage "${M1[@]}" --listen "wss://127.0.0.1:$RP/edge/e1" --next 127.0.0.1:1 2>"$dir/e1"; r1=$?
+"$KVASIR_BIN" stage "${M1[@]}" --listen 127.0.0.1:0 --next "wss://127.0.0.1:$RP/other/e1?token=00" 2>"$dir/e2"; r2=$?
+"$KVASIR_BIN" stage "${M1[@]}" --listen 127.0.0.1:0 --next 127.0.0.1:1 --relay-pin 1234 2>"$dir/e3"; r3=$?
+set -e
+[ $r1 != 0 ] && grep -q "needs its edge token" "$dir/e1" || fail "a relay URL without a token: rc $r1 $(cat "$dir/e1")"
+[ $r2 != 0 ] && grep -q "path must be /edge/EDGE_ID" "$dir/e2" || fail "a relay URL with a bad path: rc $r2 $(cat "$dir/e2")"
+[ $r3 != 0 ] && grep -q "pin must be 64 lowercase hex digits" "$dir/e3" || fail "a bad --relay-pin: rc $r3 $(cat "$dir/e3")"
+echo "bad relay URLs and pins: clear start-up errors"
 echo PASS
