@@ -88,8 +88,9 @@ struct kvs_kernels {
 };
 
 /* Bytes of one packed GEMM activation row of n elements for weights of
- * `type` (0 if the type has no packed layout): quads of 32-element blocks,
- * each quad 128 quants, 16 int32 offset corrections and 16 float scales. */
+ * `type` (0 if the type has no packed layout): Q8_0/Q4_0 quads of 32-element
+ * blocks, each quad 128 quants, 16 int32 offset corrections and 16 float
+ * scales; Q4_K/Q5_K/Q6_K KVS_PACKK_BYTES per 256-element super-block. */
 #define KVS_PACK_QUAD_BYTES 256
 /* K-quant weights (Q4_K, Q5_K, Q6_K): per 256-element super-block the Q8_K
  * quants, bsums, pair sums of bsums and d (kernels_x86_impl.h). */
