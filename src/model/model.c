@@ -522,6 +522,7 @@ static void clear_recurrent(struct kvs_model *m, int32_t seq)
         memset(m->conv_st + i * nc, 0, nc * sizeof(float));
         memset(m->ssm_st + i * ns, 0, ns * sizeof(float));
     }
+    if (m->ocl) kvs_model__ocl_seq_clear(m, seq);
     m->rs_dirty[seq] = 0;
 }
 

@@ -167,6 +167,8 @@ kvs_err kvs_model__load_moe(struct kvs_model_loader *L, int32_t il, struct block
 kvs_err kvs_model__ocl_load(struct kvs_model *m, int32_t device, char *errbuf, size_t errlen);
 void kvs_model__ocl_free(struct kvs_model *m);
 extern const struct kvs_model_ops kvs_model__ocl_ops;
+/* Zeroes sequence seq's GDN states on the device (no-op without OpenCL). */
+void kvs_model__ocl_seq_clear(struct kvs_model *m, int32_t seq);
 
 /* --- block kinds ------------------------------------------------------------ */
 /* Each adds its output to the residual stream m->x for the batch's n tokens;

@@ -8,8 +8,10 @@
  *
  * The steps and their numerics mirror the CPU block-kind files
  * (model_attn.c, model_ffn.c, model_moe.c); the kernels are src/ocl's.
- * qwen35/qwen35moe (Gated DeltaNet, gated attention) have no OpenCL
- * kernels: such a window is refused at load. */
+ * qwen35/qwen35moe windows run too (model_gdn.c's Gated DeltaNet with each
+ * block's conv and delta state per sequence on the device, zeroed when a
+ * sequence starts or is cleared; gated attention; the shared expert). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +28,10 @@
 struct ocl_blk {
     struct kvs_ocl_buf *attn_norm, *ffn_norm, *bq, *bk, *bv, *bo, *q_norm, *k_norm;
     struct kvs_ocl_weight wq, wk, wv, wo, gate, up, down, router, gate_x, up_x, down_x;
+    /* qwen35: Gated DeltaNet (recurrent blocks) and the qwen35moe shared expert */
+    struct kvs_ocl_buf *conv_wt, *ssm_dt, *ssm_a, *ssm_norm; /* conv_wt: [K][C] time-major */
+    struct kvs_ocl_buf *conv_st, *ssm_st; /* F32 [n_seq][K-1][C], [n_seq][H_v][d][d] */
+    struct kvs_ocl_weight ssm_qkv, ssm_z, ssm_beta, ssm_alpha, ssm_out, gate_sh, up_sh, down_sh, gate_inp_sh;
 };
 
 struct kvs_model_ocl {
@@ -36,6 +42,7 @@ struct kvs_model_ocl {
     struct kvs_ocl_kv kv;
     struct kvs_ocl_buf *x, *xn, *q, *k, *v, *att, *tmp, *ffa, *ffb, *act, *cs, *seq, *pos, *rows, *logits;
     struct kvs_ocl_buf *router, *sel, *selw, *moe_y;
+    struct kvs_ocl_buf *qg, *gate, *g_mix, *g_u, *g_z, *g_b, *g_a, *g_o, *sh_gate; /* qwen35 work buffers */
     int32_t *rows_host; /* [n_batch] */
     size_t weight_bytes, kv_bytes, work_bytes;
 };
@@ -126,8 +133,32 @@ static kvs_err upload(struct up *u)
             (e = mat_up(u, &w->up_x, w->up_x_stride, X, "ffn_up_exps.weight", il, &d->up_x)) ||
             (e = mat_up(u, &w->down_x, w->down_x_stride, X, "ffn_down_exps.weight", il, &d->down_x)))
             return e;
-        const struct kvs_ocl_weight *dense[] = { &d->wq, &d->wk, &d->wv, &d->wo, &d->gate, &d->up, &d->down,
-                                                 &d->router, &d->gate_x, &d->up_x };
+        if (w->recurrent) {
+            const int64_t C = kvs_hparams_conv_channels(hp), K = hp->ssm_conv, Hv = hp->ssm_h_v, dd = hp->ssm_d;
+            const size_t cst = (size_t)m->n_seq * (size_t)(K - 1) * (size_t)C * sizeof(float);
+            const size_t sst = (size_t)m->n_seq * (size_t)Hv * (size_t)dd * (size_t)dd * sizeof(float);
+            if ((e = vec_up(u, m->conv_wt + (size_t)w->rs_slot * (size_t)K * (size_t)C, K * C, &d->conv_wt)) ||
+                (e = vec_up(u, w->ssm_dt, Hv, &d->ssm_dt)) || (e = vec_up(u, w->ssm_a, Hv, &d->ssm_a)) ||
+                (e = vec_up(u, w->ssm_norm, dd, &d->ssm_norm)) ||
+                (e = buf_new(u, cst, &d->conv_st, &o->kv_bytes)) || (e = buf_new(u, sst, &d->ssm_st, &o->kv_bytes)))
+                return e;
+            if ((e = mat_up(u, &w->ssm_qkv, 0, 1, "attn_qkv.weight", il, &d->ssm_qkv)) ||
+                (e = mat_up(u, &w->ssm_z, 0, 1, "attn_gate.weight", il, &d->ssm_z)) ||
+                (e = mat_up(u, &w->ssm_beta, 0, 1, "ssm_beta.weight", il, &d->ssm_beta)) ||
+                (e = mat_up(u, &w->ssm_alpha, 0, 1, "ssm_alpha.weight", il, &d->ssm_alpha)) ||
+                (e = mat_up(u, &w->ssm_out, 0, 1, "ssm_out.weight", il, &d->ssm_out)))
+                return e;
+        }
+        if ((e = mat_up(u, &w->gate_sh, 0, 1, "ffn_gate_shexp.weight", il, &d->gate_sh)) ||
+            (e = mat_up(u, &w->up_sh, 0, 1, "ffn_up_shexp.weight", il, &d->up_sh)) ||
+            (e = mat_up(u, &w->down_sh, 0, 1, "ffn_down_shexp.weight", il, &d->down_sh)) ||
+            (e = mat_up(u, &w->gate_inp_sh, 0, 1, "ffn_gate_inp_shexp.weight", il, &d->gate_inp_sh)))
+            return e;
+        const struct kvs_ocl_weight *dense[] = { &d->wq,      &d->wk,        &d->wv,        &d->wo,       &d->gate,
+                                                 &d->up,      &d->down,      &d->router,    &d->gate_x,   &d->up_x,
+                                                 &d->ssm_qkv, &d->ssm_z,     &d->ssm_beta,  &d->ssm_alpha,
+                                                 &d->ssm_out, &d->gate_sh,   &d->up_sh,     &d->down_sh,
+                                                 &d->gate_inp_sh };
         for (size_t j = 0; j < sizeof dense / sizeof dense[0]; j++) act = max_sz(act, act_need(dense[j], NB));
         act = max_sz(act, act_need(&d->down_x, NB * (KX ? KX : 1)));
     }
@@ -144,6 +175,8 @@ static kvs_err upload(struct up *u)
     if ((e = buf_new(u, kv ? kv : 16, &o->kv.k, &o->kv_bytes)) || (e = buf_new(u, kv ? kv : 16, &o->kv.v, &o->kv_bytes)))
         return e;
     const size_t F4 = sizeof(float), nb = (size_t)NB;
+    const bool hyb = kvs_hparams_hybrid(hp);
+    const size_t C = kvs_hparams_conv_channels(hp), VD = (size_t)hp->ssm_h_v * hp->ssm_d;
     const size_t ff = max_sz((size_t)m->ff_max * nb, (size_t)hp->n_ff_exp * nb * (size_t)(KX ? KX : 1)) * F4;
     struct {
         struct kvs_ocl_buf **b;
@@ -167,22 +200,51 @@ static kvs_err upload(struct up *u)
         { &o->router, X ? nb * (size_t)X * F4 : 16 },
         { &o->sel, X ? nb * (size_t)KX * 4 : 16 },
         { &o->selw, X ? nb * (size_t)KX * F4 : 16 },
-        { &o->moe_y, X ? nb * (size_t)KX * (size_t)E * F4 : 16 },
+        { &o->moe_y, X ? nb * (size_t)(KX > 1 ? KX : 1) * (size_t)E * F4 : 16 },
+        { &o->qg, hyb ? nb * 2 * (size_t)m->q_dim * F4 : 16 },
+        { &o->gate, hyb ? nb * (size_t)m->q_dim * F4 : 16 },
+        { &o->g_mix, hyb ? nb * (size_t)C * F4 : 16 },
+        { &o->g_u, hyb ? nb * (size_t)C * F4 : 16 },
+        { &o->g_z, hyb ? nb * (size_t)VD * F4 : 16 },
+        { &o->g_o, hyb ? nb * (size_t)VD * F4 : 16 },
+        { &o->g_b, hyb ? nb * (size_t)hp->ssm_h_v * F4 : 16 },
+        { &o->g_a, hyb ? nb * (size_t)hp->ssm_h_v * F4 : 16 },
+        { &o->sh_gate, nb * F4 },
     };
     for (size_t j = 0; j < sizeof work / sizeof work[0]; j++)
         if ((e = buf_new(u, work[j].bytes, work[j].b, &o->work_bytes))) return e;
     return KVS_OK;
 }
 
+/* Zeroes the GDN states of sequence seq (every sequence if seq < 0). */
+static kvs_err zero_states(struct kvs_model *m, int32_t seq)
+{
+    struct kvs_model_ocl *o = m->ocl;
+    kvs_err e = KVS_OK;
+    for (int32_t i = 0; i < m->n_blk && !e; i++) {
+        struct ocl_blk *d = &o->blk[i];
+        if (!d->conv_st) continue;
+        const size_t cb = kvs_ocl_buf_bytes(d->conv_st) / (size_t)m->n_seq;
+        const size_t sb = kvs_ocl_buf_bytes(d->ssm_st) / (size_t)m->n_seq;
+        if (seq < 0) {
+            if (!(e = kvs_ocl_zero(o->c, d->conv_st, 0, cb * (size_t)m->n_seq)))
+                e = kvs_ocl_zero(o->c, d->ssm_st, 0, sb * (size_t)m->n_seq);
+        } else if (!(e = kvs_ocl_zero(o->c, d->conv_st, cb * (size_t)seq, cb))) {
+            e = kvs_ocl_zero(o->c, d->ssm_st, sb * (size_t)seq, sb);
+        }
+    }
+    return e;
+}
+
+void kvs_model__ocl_seq_clear(struct kvs_model *m, int32_t seq)
+{
+    if (!m->ocl || !m->ocl->c) return;
+    if (zero_states(m, seq)) KVS_LOGE("model: OpenCL: zeroing sequence %d's state failed: %s", (int)seq,
+                                      kvs_ocl_last_error(m->ocl->c));
+}
+
 kvs_err kvs_model__ocl_load(struct kvs_model *m, int32_t device, char *errbuf, size_t errlen)
 {
-    const struct kvs_hparams *hp = &m->hp;
-    if (kvs_hparams_hybrid(hp)) {
-        snprintf(errbuf, errlen,
-                 "%s blocks (Gated DeltaNet, gated attention) have no OpenCL kernels yet; use --backend cpu",
-                 hp->arch_name);
-        return KVS_ERR_UNSUPPORTED;
-    }
     struct kvs_model_ocl *o = calloc(1, sizeof *o);
     if (!o) return KVS_ERR_NOMEM;
     m->ocl = o;
@@ -211,7 +273,8 @@ kvs_err kvs_model__ocl_load(struct kvs_model *m, int32_t device, char *errbuf, s
     u.count_only = false;
     if ((e = upload(&u))) return e;
     if ((e = kvs_ocl_zero(o->c, o->kv.k, 0, kvs_ocl_buf_bytes(o->kv.k))) ||
-        (e = kvs_ocl_zero(o->c, o->kv.v, 0, kvs_ocl_buf_bytes(o->kv.v))) || (e = kvs_ocl_finish(o->c))) {
+        (e = kvs_ocl_zero(o->c, o->kv.v, 0, kvs_ocl_buf_bytes(o->kv.v))) || (e = zero_states(m, -1)) ||
+        (e = kvs_ocl_finish(o->c))) {
         snprintf(errbuf, errlen, "OpenCL device %d (%s): uploading the window failed: %s", (int)device, di->name,
                  kvs_ocl_last_error(o->c));
         return e == KVS_ERR_INTERNAL ? KVS_ERR_NOMEM : e;
@@ -232,17 +295,22 @@ void kvs_model__ocl_free(struct kvs_model *m)
     if (o->c) kvs_ocl_finish(o->c);
     for (int32_t i = 0; o->blk && i < m->n_blk; i++) {
         struct ocl_blk *d = &o->blk[i];
-        struct kvs_ocl_buf *v[] = { d->attn_norm, d->ffn_norm, d->bq, d->bk, d->bv, d->bo, d->q_norm, d->k_norm };
+        struct kvs_ocl_buf *v[] = { d->attn_norm, d->ffn_norm, d->bq,       d->bk,      d->bv,      d->bo,
+                                    d->q_norm,    d->k_norm,   d->conv_wt,  d->ssm_dt,  d->ssm_a,   d->ssm_norm,
+                                    d->conv_st,   d->ssm_st };
         for (size_t j = 0; j < sizeof v / sizeof v[0]; j++) kvs_ocl_free(v[j]);
-        struct kvs_ocl_weight *w[] = { &d->wq, &d->wk, &d->wv, &d->wo, &d->gate, &d->up, &d->down, &d->router,
-                                       &d->gate_x, &d->up_x, &d->down_x };
+        struct kvs_ocl_weight *w[] = { &d->wq,       &d->wk,       &d->wv,       &d->wo,       &d->gate,
+                                       &d->up,       &d->down,     &d->router,   &d->gate_x,   &d->up_x,
+                                       &d->down_x,   &d->ssm_qkv,  &d->ssm_z,    &d->ssm_beta, &d->ssm_alpha,
+                                       &d->ssm_out,  &d->gate_sh,  &d->up_sh,    &d->down_sh,  &d->gate_inp_sh };
         for (size_t j = 0; j < sizeof w / sizeof w[0]; j++) weight_free(w[j]);
     }
     kvs_ocl_free(o->out_norm);
     weight_free(&o->out_w);
     struct kvs_ocl_buf *b[] = { o->kv.k, o->kv.v, o->x,   o->xn,  o->q,    o->k,      o->v,      o->att,
                                 o->tmp,  o->ffa,  o->ffb, o->act, o->cs,   o->seq,    o->pos,    o->rows,
-                                o->logits, o->router, o->sel, o->selw, o->moe_y };
+                                o->logits, o->router, o->sel, o->selw, o->moe_y, o->qg, o->gate, o->g_mix,
+                                o->g_u,  o->g_z,  o->g_b, o->g_a, o->g_o, o->sh_gate };
     for (size_t j = 0; j < sizeof b / sizeof b[0]; j++) kvs_ocl_free(b[j]);
     kvs_ocl_close(o->c);
     free(o->blk);
@@ -294,7 +362,9 @@ static void ocl_attention(struct kvs_model *m, const struct kvs_batch *b, int32_
     const struct ocl_blk *d = &o->blk[il];
     const int32_t n = b->n_tokens;
     const int64_t D = hp->head_dim;
-    kvs_ocl_matmul(o->c, &d->wq, o->xn, n, o->q, o->act);
+    const bool gated = kvs_hparams_hybrid(hp);
+    kvs_ocl_matmul(o->c, &d->wq, o->xn, n, gated ? o->qg : o->q, o->act);
+    if (gated) kvs_ocl_split_qg(o->c, o->qg, o->q, o->gate, n, hp->n_head, D);
     kvs_ocl_matmul(o->c, &d->wk, o->xn, n, o->k, o->act);
     kvs_ocl_matmul(o->c, &d->wv, o->xn, n, o->v, o->act);
     if (d->bq) kvs_ocl_add_bias(o->c, o->q, d->bq, n, m->q_dim);
@@ -307,14 +377,35 @@ static void ocl_attention(struct kvs_model *m, const struct kvs_batch *b, int32_
     const int32_t slot = m->blk[il].kv_slot;
     kvs_ocl_kv_store(o->c, &o->kv, slot, o->k, o->v, o->seq, o->pos, n);
     kvs_ocl_attention(o->c, &o->kv, slot, o->q, o->att, o->seq, o->pos, n, hp->n_head, hp->n_head_kv, D);
+    if (gated) kvs_ocl_gate_mul(o->c, o->att, o->gate, false, (int64_t)n * m->q_dim);
     kvs_ocl_matmul(o->c, &d->wo, o->att, n, o->tmp, o->act);
     if (d->bo) kvs_ocl_add_bias(o->c, o->tmp, d->bo, n, hp->n_embd);
     kvs_ocl_add(o->c, o->x, o->tmp, (int64_t)n * hp->n_embd);
 }
 
+/* model_gdn.c's steps on the device: the four projections, conv + SiLU,
+ * L2 norm of the q and k heads, the gates, the delta rule per state row,
+ * the gated RMSNorm (RMSNorm by ssm_norm, times silu(z)), ssm_out. */
 static void ocl_gdn(struct kvs_model *m, const struct kvs_batch *b, int32_t il)
 {
-    (void)m, (void)b, (void)il; /* never reached: hybrid windows are refused at load */
+    struct kvs_model_ocl *o = m->ocl;
+    const struct kvs_hparams *hp = &m->hp;
+    const struct ocl_blk *d = &o->blk[il];
+    const int32_t n = b->n_tokens;
+    const int64_t dd = hp->ssm_d, Hv = hp->ssm_h_v, Hk = hp->ssm_h_k, C = kvs_hparams_conv_channels(hp);
+    kvs_ocl_matmul(o->c, &d->ssm_qkv, o->xn, n, o->g_mix, o->act);
+    kvs_ocl_matmul(o->c, &d->ssm_z, o->xn, n, o->g_z, o->act);
+    kvs_ocl_matmul(o->c, &d->ssm_beta, o->xn, n, o->g_b, o->act);
+    kvs_ocl_matmul(o->c, &d->ssm_alpha, o->xn, n, o->g_a, o->act);
+    kvs_ocl_gdn_conv(o->c, d->conv_st, d->conv_wt, o->g_mix, o->g_u, o->seq, n, C, hp->ssm_conv);
+    kvs_ocl_l2norm(o->c, o->g_u, n, 2 * Hk, dd, C, hp->rms_eps);
+    kvs_ocl_gdn_gates(o->c, o->g_b, o->g_a, d->ssm_dt, d->ssm_a, n, Hv);
+    kvs_ocl_gdn_delta(o->c, d->ssm_st, o->g_u, o->g_a, o->g_b, o->g_o, o->seq, n, dd, Hk, Hv,
+                      1.0f / sqrtf((float)dd));
+    kvs_ocl_rmsnorm(o->c, o->g_o, d->ssm_norm, o->g_o, (int64_t)n * Hv, dd, hp->rms_eps, NULL);
+    kvs_ocl_gate_mul(o->c, o->g_o, o->g_z, true, (int64_t)n * Hv * dd);
+    kvs_ocl_matmul(o->c, &d->ssm_out, o->g_o, n, o->tmp, o->act);
+    kvs_ocl_add(o->c, o->x, o->tmp, (int64_t)n * hp->n_embd);
 }
 
 static void ocl_ffn(struct kvs_model *m, int32_t il, int32_t n)
@@ -338,6 +429,14 @@ static void ocl_ffn(struct kvs_model *m, int32_t il, int32_t n)
         kvs_ocl_swiglu(o->c, o->ffa, o->ffb, R * hp->n_ff_exp);
         kvs_ocl_matmul_id(o->c, &d->down_x, o->sel, o->ffa, 1, R, o->moe_y, o->act);
         kvs_ocl_moe_sum(o->c, o->moe_y, o->selw, o->tmp, n, K, E);
+        if (d->gate_sh.buf) { /* qwen35moe shared expert, sigmoid-gated (model_moe.c) */
+            kvs_ocl_matmul(o->c, &d->gate_inp_sh, o->xn, n, o->sh_gate, o->act);
+            kvs_ocl_matmul(o->c, &d->gate_sh, o->xn, n, o->ffa, o->act);
+            kvs_ocl_matmul(o->c, &d->up_sh, o->xn, n, o->ffb, o->act);
+            kvs_ocl_swiglu(o->c, o->ffa, o->ffb, (int64_t)n * hp->n_ff_shexp);
+            kvs_ocl_matmul(o->c, &d->down_sh, o->ffa, n, o->moe_y, o->act);
+            kvs_ocl_add_gated(o->c, o->tmp, o->moe_y, o->sh_gate, n, E);
+        }
     }
     kvs_ocl_add(o->c, o->x, o->tmp, (int64_t)n * E);
 }

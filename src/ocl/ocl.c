@@ -43,13 +43,20 @@ enum {
     K_MM_Q2_K,
     K_MM_Q3_K,
     K_MM_Q5_K,
+    K_GDN_CONV,
+    K_L2NORM,
+    K_GDN_GATES,
+    K_GDN_DELTA,
+    K_GATE_MUL,
+    K_SPLIT_QG,
+    K_ADD_GATED,
     K_COUNT_
 };
 static const char *const kernel_names[K_COUNT_] = {
     "quant_q8_0", "quant_q8_K", "quant_f16", "mm_f32",  "mm_f16",   "mm_q8_0",   "mm_q4_0",   "mm_q4_K",   "mm_q6_K",
     "rmsnorm",    "rope",       "kv_store",  "attention", "add",    "add_bias",  "swiglu",    "moe_route", "moe_sum",
     "bw_read",    "flops",      "quant_q8_1", "quant_bf16", "mm_bf16", "mm_q4_1", "mm_q5_0", "mm_q5_1", "mm_q2_K",
-    "mm_q3_K",    "mm_q5_K",
+    "mm_q3_K",    "mm_q5_K",    "gdn_conv",  "l2norm",  "gdn_gates", "gdn_delta", "gate_mul", "split_qg", "add_gated",
 };
 
 struct kvs_ocl {
@@ -597,6 +604,100 @@ void kvs_ocl_moe_sum(struct kvs_ocl *c, struct kvs_ocl_buf *ys, struct kvs_ocl_b
     ARG_VAL(ki, 3, cl_int, K);
     ARG_VAL(ki, 4, cl_int, E);
     ARG_VAL(ki, 5, cl_int, n_tok * E);
+    run1(c, ki, (size_t)(n_tok * E));
+}
+
+void kvs_ocl_gdn_conv(struct kvs_ocl *c, struct kvs_ocl_buf *st, struct kvs_ocl_buf *wt, struct kvs_ocl_buf *x,
+                      struct kvs_ocl_buf *y, struct kvs_ocl_buf *seq, int64_t n_tok, int64_t C, int64_t K)
+{
+    const int ki = K_GDN_CONV;
+    ARG_MEM(ki, 0, st);
+    ARG_MEM(ki, 1, wt);
+    ARG_MEM(ki, 2, x);
+    ARG_MEM(ki, 3, y);
+    ARG_MEM(ki, 4, seq);
+    ARG_VAL(ki, 5, cl_int, C);
+    ARG_VAL(ki, 6, cl_int, K);
+    ARG_VAL(ki, 7, cl_int, n_tok);
+    run1(c, ki, (size_t)C);
+}
+
+void kvs_ocl_l2norm(struct kvs_ocl *c, struct kvs_ocl_buf *x, int64_t n_rows, int64_t n_head, int64_t d,
+                    int64_t stride, float eps)
+{
+    const int ki = K_L2NORM;
+    ARG_MEM(ki, 0, x);
+    ARG_VAL(ki, 1, cl_int, d);
+    ARG_VAL(ki, 2, cl_int, n_head);
+    ARG_VAL(ki, 3, cl_int, stride);
+    ARG_VAL(ki, 4, cl_float, eps);
+    ARG_VAL(ki, 5, cl_int, n_rows * n_head);
+    run1(c, ki, (size_t)(n_rows * n_head));
+}
+
+void kvs_ocl_gdn_gates(struct kvs_ocl *c, struct kvs_ocl_buf *b, struct kvs_ocl_buf *a, struct kvs_ocl_buf *dt,
+                       struct kvs_ocl_buf *ssm_a, int64_t n_tok, int64_t Hv)
+{
+    const int ki = K_GDN_GATES;
+    ARG_MEM(ki, 0, b);
+    ARG_MEM(ki, 1, a);
+    ARG_MEM(ki, 2, dt);
+    ARG_MEM(ki, 3, ssm_a);
+    ARG_VAL(ki, 4, cl_int, Hv);
+    ARG_VAL(ki, 5, cl_int, n_tok * Hv);
+    run1(c, ki, (size_t)(n_tok * Hv));
+}
+
+void kvs_ocl_gdn_delta(struct kvs_ocl *c, struct kvs_ocl_buf *S, struct kvs_ocl_buf *u,
+                       struct kvs_ocl_buf *g, struct kvs_ocl_buf *beta, struct kvs_ocl_buf *o, struct kvs_ocl_buf *seq,
+                       int64_t n_tok, int64_t d, int64_t Hk, int64_t Hv, float scale)
+{
+    const int ki = K_GDN_DELTA;
+    ARG_MEM(ki, 0, S);
+    ARG_MEM(ki, 1, u);
+    ARG_MEM(ki, 2, g);
+    ARG_MEM(ki, 3, beta);
+    ARG_MEM(ki, 4, o);
+    ARG_MEM(ki, 5, seq);
+    ARG_VAL(ki, 6, cl_int, d);
+    ARG_VAL(ki, 7, cl_int, Hk);
+    ARG_VAL(ki, 8, cl_int, Hv);
+    ARG_VAL(ki, 9, cl_float, scale);
+    ARG_VAL(ki, 10, cl_int, n_tok);
+    run1(c, ki, (size_t)(Hv * d));
+}
+
+void kvs_ocl_gate_mul(struct kvs_ocl *c, struct kvs_ocl_buf *a, struct kvs_ocl_buf *z, bool silu, int64_t n)
+{
+    const int ki = K_GATE_MUL;
+    ARG_MEM(ki, 0, a);
+    ARG_MEM(ki, 1, z);
+    ARG_VAL(ki, 2, cl_int, silu ? 1 : 0);
+    ARG_VAL(ki, 3, cl_int, n);
+    run1(c, ki, (size_t)n);
+}
+
+void kvs_ocl_split_qg(struct kvs_ocl *c, struct kvs_ocl_buf *qg, struct kvs_ocl_buf *q, struct kvs_ocl_buf *gate,
+                      int64_t n_tok, int64_t H, int64_t D)
+{
+    const int ki = K_SPLIT_QG;
+    ARG_MEM(ki, 0, qg);
+    ARG_MEM(ki, 1, q);
+    ARG_MEM(ki, 2, gate);
+    ARG_VAL(ki, 3, cl_int, D);
+    ARG_VAL(ki, 4, cl_int, n_tok * H * D);
+    run1(c, ki, (size_t)(n_tok * H * D));
+}
+
+void kvs_ocl_add_gated(struct kvs_ocl *c, struct kvs_ocl_buf *y, struct kvs_ocl_buf *s, struct kvs_ocl_buf *g,
+                       int64_t n_tok, int64_t E)
+{
+    const int ki = K_ADD_GATED;
+    ARG_MEM(ki, 0, y);
+    ARG_MEM(ki, 1, s);
+    ARG_MEM(ki, 2, g);
+    ARG_VAL(ki, 3, cl_int, E);
+    ARG_VAL(ki, 4, cl_int, n_tok * E);
     run1(c, ki, (size_t)(n_tok * E));
 }
 

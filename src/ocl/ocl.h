@@ -152,4 +152,39 @@ void kvs_ocl_moe_route(struct kvs_ocl *c, struct kvs_ocl_buf *logits, struct kvs
 void kvs_ocl_moe_sum(struct kvs_ocl *c, struct kvs_ocl_buf *ys, struct kvs_ocl_buf *w, struct kvs_ocl_buf *o,
                      int64_t n_tok, int64_t K, int64_t E);
 
+/* --- qwen35 (../shared/docs/qwen35-facts.md §3.2, §3.3, §3.5) --- */
+
+/* GDN causal depthwise conv + SiLU (§3.2 step 3): for t < n_tok in order,
+ * y[t][c] = silu(Σ_{i<K-1} wt[i][c]·st_s[i][c] + wt[K-1][c]·x[t][c]) with
+ * s = seq[t], then st_s shifts one step and keeps x[t]. st: F32
+ * [n_seq][K-1][C] (one block's conv state), wt: [K][C] (time-major),
+ * x, y: [n_tok][C]. */
+void kvs_ocl_gdn_conv(struct kvs_ocl *c, struct kvs_ocl_buf *st, struct kvs_ocl_buf *wt, struct kvs_ocl_buf *x,
+                      struct kvs_ocl_buf *y, struct kvs_ocl_buf *seq, int64_t n_tok, int64_t C, int64_t K);
+/* In-place L2 norm x / max(||x||, eps) of n_head heads of d floats in each
+ * of n_rows rows `stride` floats apart (sums in F32; the CPU sums in double). */
+void kvs_ocl_l2norm(struct kvs_ocl *c, struct kvs_ocl_buf *x, int64_t n_rows, int64_t n_head, int64_t d,
+                    int64_t stride, float eps);
+/* GDN gates of [n_tok][Hv] in place (§3.2 step 4): b = sigmoid(b),
+ * a = softplus(a + dt[j])·ssm_a[j] (the decay's log). */
+void kvs_ocl_gdn_gates(struct kvs_ocl *c, struct kvs_ocl_buf *b, struct kvs_ocl_buf *a, struct kvs_ocl_buf *dt,
+                       struct kvs_ocl_buf *ssm_a, int64_t n_tok, int64_t Hv);
+/* Gated delta rule (§3.2 step 7, kvs_ref_ssm_delta_step per value head j):
+ * for t < n_tok in order on S_{seq[t], j} (S: F32 [n_seq][Hv][d][d]) with
+ * q, k = u[t]'s key head j mod Hk and v = u[t]'s value head j (u:
+ * [n_tok][2·Hk·d + Hv·d]: q heads, k heads, v heads), decay exp(g[t][j]),
+ * beta[t][j]: o[t][j·d..] = (S·q)·scale after the update. */
+void kvs_ocl_gdn_delta(struct kvs_ocl *c, struct kvs_ocl_buf *S, struct kvs_ocl_buf *u, struct kvs_ocl_buf *g,
+                       struct kvs_ocl_buf *beta, struct kvs_ocl_buf *o, struct kvs_ocl_buf *seq, int64_t n_tok,
+                       int64_t d, int64_t Hk, int64_t Hv, float scale);
+/* a[i] *= silu(z[i]) if silu, else sigmoid(z[i]) (n floats). */
+void kvs_ocl_gate_mul(struct kvs_ocl *c, struct kvs_ocl_buf *a, struct kvs_ocl_buf *z, bool silu, int64_t n);
+/* Gated attention's query projection qg [n_tok][H][2·D] (per head D query
+ * then D gate values, §3.3 step 1) into q and gate [n_tok][H·D]. */
+void kvs_ocl_split_qg(struct kvs_ocl *c, struct kvs_ocl_buf *qg, struct kvs_ocl_buf *q, struct kvs_ocl_buf *gate,
+                      int64_t n_tok, int64_t H, int64_t D);
+/* y[t][i] += sigmoid(g[t])·s[t][i] for n_tok rows of E (shared expert, §3.5). */
+void kvs_ocl_add_gated(struct kvs_ocl *c, struct kvs_ocl_buf *y, struct kvs_ocl_buf *s, struct kvs_ocl_buf *g,
+                       int64_t n_tok, int64_t E);
+
 #endif

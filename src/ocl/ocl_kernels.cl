@@ -612,3 +612,121 @@ __kernel void flops(__global float *out, const int iters)
     }
     out[g] = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7;
 }
+
+/* --- qwen35 (../shared/docs/qwen35-facts.md §3.2, §3.3, §3.5) ------------- */
+
+/* Causal depthwise conv + SiLU of the GDN mix (§3.2 step 3), one work-item
+ * per channel c walking the batch's tokens in order: y = silu(Σ_i wt[i][c]·
+ * st[i][c] + wt[K-1][c]·x[c]), then the state shifts by one and keeps x.
+ * st: [n_seq][K-1][C] (this block's), wt: [K][C] time-major, x, y: [n_tok][C]. */
+__kernel void gdn_conv(__global float *st, const __global float *wt, const __global float *x, __global float *y,
+                       const __global int *seq, const int C, const int K, const int n_tok)
+{
+    const int c = (int)get_global_id(0);
+    if (c >= C) return;
+    for (int t = 0; t < n_tok; t++) {
+        __global float *s = st + (size_t)seq[t] * (size_t)(K - 1) * C;
+        const float xc = x[(size_t)t * C + c];
+        float acc = 0.0f;
+        for (int i = 0; i < K - 1; i++) acc += wt[(size_t)i * C + c] * s[(size_t)i * C + c];
+        acc += wt[(size_t)(K - 1) * C + c] * xc;
+        y[(size_t)t * C + c] = acc / (1.0f + exp(-acc));
+        for (int i = 0; i + 1 < K - 1; i++) s[(size_t)i * C + c] = s[(size_t)(i + 1) * C + c];
+        s[(size_t)(K - 2) * C + c] = xc;
+    }
+}
+
+/* L2 norm of n_items heads of d floats, rows `stride` floats apart, each
+ * row holding n_head heads: x / max(||x||, eps) (§3.2 step 5). One
+ * work-item per head. */
+__kernel void l2norm(__global float *x, const int d, const int n_head, const int stride, const float eps,
+                     const int n_items)
+{
+    const int it = (int)get_global_id(0);
+    if (it >= n_items) return;
+    __global float *h = x + (size_t)(it / n_head) * stride + (size_t)(it % n_head) * d;
+    float s = 0.0f;
+    for (int i = 0; i < d; i++) s += h[i] * h[i];
+    const float nrm = sqrt(s);
+    const float inv = 1.0f / (nrm > eps ? nrm : eps);
+    for (int i = 0; i < d; i++) h[i] *= inv;
+}
+
+/* GDN gates per (token, value head) (§3.2 step 4): b = sigmoid(b),
+ * a = softplus(a + dt)·ssm_a (softplus(x) = x past 20). */
+__kernel void gdn_gates(__global float *b, __global float *a, const __global float *dt, const __global float *sa,
+                        const int Hv, const int n_items)
+{
+    const int it = (int)get_global_id(0);
+    if (it >= n_items) return;
+    const int j = it % Hv;
+    b[it] = 1.0f / (1.0f + exp(-b[it]));
+    const float x = a[it] + dt[j];
+    const float sp = x > 20.0f ? x : log(1.0f + exp(x));
+    a[it] = sp * sa[j];
+}
+
+/* Gated delta rule (§3.2 step 7), one work-item per state row (value head
+ * j, value index r) walking the batch's tokens in order on sequence
+ * seq[t]'s state S: [n_seq][Hv][d][d] (S_j[r][i]). Per token, with q, k of
+ * key head j mod Hk in u ([n_tok][C]: q heads, k heads, v heads):
+ * S_r *= exp(g); delta = beta·(v_r - S_r·k); S_r += k·delta;
+ * o[t][j][r] = (S_r·q)·scale. g, beta: [n_tok][Hv]; o: [n_tok][Hv·d]. */
+__kernel void gdn_delta(__global float *S, const __global float *u, const __global float *g,
+                        const __global float *beta, __global float *o, const __global int *seq, const int d,
+                        const int Hk, const int Hv, const float scale, const int n_tok)
+{
+    const int it = (int)get_global_id(0);
+    if (it >= Hv * d) return;
+    const int j = it / d, r = it % d, gk = j % Hk;
+    const int C = 2 * Hk * d + Hv * d;
+    for (int t = 0; t < n_tok; t++) {
+        __global float *row = S + ((size_t)seq[t] * Hv + j) * (size_t)d * d + (size_t)r * d;
+        const __global float *ut = u + (size_t)t * C;
+        const __global float *q = ut + (size_t)gk * d, *k = ut + (size_t)(Hk + gk) * d;
+        const float decay = exp(g[(size_t)t * Hv + j]);
+        float kv = 0.0f;
+        for (int i = 0; i < d; i++) {
+            row[i] *= decay;
+            kv += row[i] * k[i];
+        }
+        const float delta = beta[(size_t)t * Hv + j] * (ut[(size_t)(2 * Hk + j) * d + r] - kv);
+        float acc = 0.0f;
+        for (int i = 0; i < d; i++) {
+            row[i] += k[i] * delta;
+            acc += row[i] * q[i];
+        }
+        o[(size_t)t * Hv * d + it] = acc * scale;
+    }
+}
+
+/* a[i] *= silu(z[i]) (silu != 0) or sigmoid(z[i]) (n floats). */
+__kernel void gate_mul(__global float *a, const __global float *z, const int silu, const int n)
+{
+    const int i = (int)get_global_id(0);
+    if (i >= n) return;
+    const float s = 1.0f / (1.0f + exp(-z[i]));
+    a[i] = silu ? a[i] * (z[i] / (1.0f + exp(-z[i]))) : a[i] * s;
+}
+
+/* qwen35 gated attention's query projection [n_tok][H][2·D] (per head D
+ * query values, then D gate values) into q and gate [n_tok][H·D]. */
+__kernel void split_qg(const __global float *qg, __global float *q, __global float *gate, const int D,
+                       const int n)
+{
+    const int i = (int)get_global_id(0);
+    if (i >= n) return;
+    const int th = i / D, e = i % D;
+    q[i] = qg[(size_t)th * 2 * D + e];
+    gate[i] = qg[(size_t)th * 2 * D + D + e];
+}
+
+/* Shared expert (§3.5): y[t][i] += sigmoid(g[t])·s[t][i], rows of E. */
+__kernel void add_gated(__global float *y, const __global float *s, const __global float *g, const int E,
+                        const int n)
+{
+    const int i = (int)get_global_id(0);
+    if (i >= n) return;
+    const float gt = 1.0f / (1.0f + exp(-g[i / E]));
+    y[i] += gt * s[i];
+}

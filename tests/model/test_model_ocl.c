@@ -166,6 +166,8 @@ static void test_ref_llama_mixed(void **st) { (void)st; check_ref("llama-mixed",
 static void test_ref_llama_q5_k_m(void **st) { (void)st; check_ref("llama-q5_k_m", false); }
 static void test_ref_llama_q2_k(void **st) { (void)st; check_ref("llama-q2_k", false); }
 static void test_ref_qwen2_mixed(void **st) { (void)st; check_ref("qwen2-mixed", false); }
+static void test_ref_qwen35_mixed(void **st) { (void)st; check_ref("qwen35-mixed", false); }
+static void test_ref_qwen35moe_q4_k(void **st) { (void)st; check_ref("qwen35moe-q4_k", false); }
 
 /* Greedy decoding (prefill, then one token per call) reproduces the
  * reference continuation of aidreams260K exactly. */
@@ -265,6 +267,9 @@ static void check_batching(const char *name)
 
 static void test_batching_aidreams(void **st) { (void)st; check_batching("aidreams260K"); }
 static void test_batching_qwen3moe(void **st) { (void)st; check_batching("qwen3moe-mixed"); }
+/* qwen35: the GDN conv and delta states per sequence, zeroed on a rewind to 0 and by kvs_model_seq_clear */
+static void test_batching_qwen35(void **st) { (void)st; check_batching("qwen35-mixed"); }
+static void test_batching_qwen35moe(void **st) { (void)st; check_batching("qwen35moe-q4_k"); }
 
 /* Windows [0, a) and [a, n) over an F32 boundary: both on OpenCL equal the
  * whole window on OpenCL bit for bit; a CPU head with an OpenCL tail stays
@@ -317,6 +322,8 @@ static void check_window(const char *name, int32_t a, double mixed_bar)
 
 static void test_window_aidreams(void **st) { (void)st; check_window("aidreams260K", 2, 1e-4); }
 static void test_window_qwen3moe(void **st) { (void)st; check_window("qwen3moe-mixed", 1, 2e-2); } /* Q8_0 activations */
+static void test_window_qwen35(void **st) { (void)st; check_window("qwen35-mixed", 2, 2e-2); } /* Q8_0/Q8_K activations */
+static void test_window_qwen35moe(void **st) { (void)st; check_window("qwen35moe-q4_k", 3, 2e-2); }
 
 static void expect_load_error(const char *name, struct kvs_model_params *p, kvs_err want, const char *msg)
 {
@@ -335,9 +342,6 @@ static void test_errors(void **st)
     struct kvs_model_params p = kvs_model_default_params();
     p.backend = KVS_BACKEND_OPENCL;
     p.n_ctx = 64;
-    /* Gated DeltaNet blocks: refused at load (every weight type the CPU loads has an OpenCL kernel) */
-    expect_load_error("qwen35-mixed", &p, KVS_ERR_UNSUPPORTED, "have no OpenCL kernels");
-    expect_load_error("qwen35moe-q4_k", &p, KVS_ERR_UNSUPPORTED, "have no OpenCL kernels");
     /* a device index past the last */
     p.device = 63;
     expect_load_error("aidreams260K", &p, KVS_ERR_NOT_FOUND, "OpenCL device 63 does not exist");
@@ -356,9 +360,12 @@ int main(void)
         cmocka_unit_test(test_ref_llama_q4_k_m), cmocka_unit_test(test_ref_qwen3_q8_0),
         cmocka_unit_test(test_ref_qwen3moe_mixed), cmocka_unit_test(test_ref_llama_mixed),
         cmocka_unit_test(test_ref_llama_q5_k_m), cmocka_unit_test(test_ref_llama_q2_k),
-        cmocka_unit_test(test_ref_qwen2_mixed), cmocka_unit_test(test_greedy_aidreams),
-        cmocka_unit_test(test_batching_aidreams), cmocka_unit_test(test_batching_qwen3moe),
-        cmocka_unit_test(test_window_aidreams), cmocka_unit_test(test_window_qwen3moe),
+        cmocka_unit_test(test_ref_qwen2_mixed), cmocka_unit_test(test_ref_qwen35_mixed),
+        cmocka_unit_test(test_ref_qwen35moe_q4_k), cmocka_unit_test(test_greedy_aidreams),
+        cmocka_unit_test(test_batching_aidreams), cmocka_unit_test(test_batching_qwen3moe), cmocka_unit_test(test_batching_qwen35),
+        cmocka_unit_test(test_batching_qwen35moe),
+        cmocka_unit_test(test_window_aidreams), cmocka_unit_test(test_window_qwen3moe), cmocka_unit_test(test_window_qwen35),
+        cmocka_unit_test(test_window_qwen35moe),
         cmocka_unit_test(test_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
