@@ -723,7 +723,7 @@ static inline __attribute__((always_inline)) void kvs_x86_kq_tile(const int type
                 const __m256i m2 = _mm256_set1_epi8(3);
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
-                    const __m256i Sh = _mm256_permute2x128_si256(S, S, h ? 0x11 : 0x00);
+                    const __m256i Sh = h ? _mm256_permute2x128_si256(S, S, 0x11) : _mm256_permute2x128_si256(S, S, 0x00);
                     const __m256i l0 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h));
                     const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h + 32));
                     const __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
