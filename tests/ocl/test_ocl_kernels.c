@@ -1,7 +1,8 @@
 /* The OpenCL kernels against the CPU scalar reference (src/kernels): random
  * weight blocks of every type with a kernel, odd row counts and rows whose
  * block count is not a multiple of the work-group size, several activation
- * rows (11: a full tile of 8 rows and a partial one), the MoE expert product, RMSNorm and SwiGLU; plus the start-up
+ * rows (11: a full tile of 8 rows and a partial one), the MoE expert product, RMSNorm and SwiGLU,
+ * the qwen35 kernels (Gated DeltaNet chain, gated attention, shared-expert gate); plus the start-up
  * errors (bad device index, kernel build failure with the compiler's log,
  * a buffer larger than the device allows). Runs on PoCL in CI. */
 #include <setjmp.h>
@@ -249,6 +250,117 @@ static void test_rmsnorm_swiglu(void **st)
     kvs_ocl_free(bb);
 }
 
+static double max_abs_diff(const float *a, const float *b, size_t n)
+{
+    double d = 0.0;
+    for (size_t i = 0; i < n; i++) d = fmax(d, fabs((double)a[i] - (double)b[i]));
+    return d;
+}
+
+/* A Gated DeltaNet step chain (qwen35-facts §3.2 steps 3-8) on two
+ * interleaved sequences against the scalar references kvs_ref_ssm_conv_step,
+ * kvs_ref_ssm_delta_step and kvs_ref_ssm_gated_norm (the L2 norm and the
+ * gates as model_gdn.c computes them): outputs and both final states. */
+static void test_gdn(void **st)
+{
+    (void)st;
+    enum { Hk = 2, Hv = 4, D = 16, K = 4, T = 7, NS = 2, CC = 2 * Hk * D + Hv * D, VD = Hv * D };
+    static const int32_t seq[T] = { 0, 1, 0, 0, 1, 1, 0 };
+    const float eps = 1e-6f, scale = 1.0f / sqrtf((float)D);
+    static float x[T * CC], wt[K * CC], cst[NS * (K - 1) * CC], sst[NS * Hv * D * D];
+    static float b[T * Hv], a[T * Hv], dt[Hv], sa[Hv], z[T * VD], nw[D];
+    for (int i = 0; i < T * CC; i++) x[i] = rndf() * 2.0f;
+    for (int i = 0; i < K * CC; i++) wt[i] = rndf();
+    for (int i = 0; i < NS * (K - 1) * CC; i++) cst[i] = rndf();
+    for (int i = 0; i < NS * Hv * D * D; i++) sst[i] = rndf() * 0.1f;
+    for (int i = 0; i < T * Hv; i++) b[i] = rndf() * 3.0f, a[i] = rndf() * 3.0f;
+    for (int i = 0; i < Hv; i++) dt[i] = rndf(), sa[i] = -(0.1f + fabsf(rndf()));
+    dt[0] = 25.0f; /* softplus past 20 */
+    for (int i = 0; i < T * VD; i++) z[i] = rndf() * 3.0f;
+    for (int i = 0; i < D; i++) nw[i] = rndf();
+    struct kvs_ocl_buf *bx = upload(x, sizeof x), *bwt = upload(wt, sizeof wt), *bcs = upload(cst, sizeof cst);
+    struct kvs_ocl_buf *bss = upload(sst, sizeof sst), *bu = upload(NULL, sizeof x), *bb = upload(b, sizeof b);
+    struct kvs_ocl_buf *ba = upload(a, sizeof a), *bdt = upload(dt, sizeof dt), *bsa = upload(sa, sizeof sa);
+    struct kvs_ocl_buf *bz = upload(z, sizeof z), *bnw = upload(nw, sizeof nw), *bo = upload(NULL, sizeof z);
+    struct kvs_ocl_buf *bseq = upload(seq, sizeof seq);
+    kvs_ocl_gdn_conv(C, bcs, bwt, bx, bu, bseq, T, CC, K);
+    kvs_ocl_l2norm(C, bu, T, 2 * Hk, D, CC, eps);
+    kvs_ocl_gdn_gates(C, bb, ba, bdt, bsa, T, Hv);
+    kvs_ocl_gdn_delta(C, bss, bu, ba, bb, bo, bseq, T, D, Hk, Hv, scale);
+    kvs_ocl_rmsnorm(C, bo, bnw, bo, T * Hv, D, eps, NULL);
+    kvs_ocl_gate_mul(C, bo, bz, true, T * VD);
+    static float o_dev[T * VD], cst_dev[NS * (K - 1) * CC], sst_dev[NS * Hv * D * D], u[T * CC], o[T * VD];
+    assert_int_equal(kvs_ocl_read(C, bo, 0, o_dev, sizeof o_dev), KVS_OK);
+    assert_int_equal(kvs_ocl_read(C, bcs, 0, cst_dev, sizeof cst_dev), KVS_OK);
+    assert_int_equal(kvs_ocl_read(C, bss, 0, sst_dev, sizeof sst_dev), KVS_OK);
+    for (int t = 0; t < T; t++) {
+        float *ut = u + t * CC;
+        kvs_ref_ssm_conv_step(cst + seq[t] * (K - 1) * CC, wt, x + t * CC, ut, 0, CC, CC, K);
+        for (int g = 0; g < 2 * Hk; g++) {
+            double sum = 0.0;
+            for (int i = 0; i < D; i++) sum += (double)(ut[g * D + i] * ut[g * D + i]);
+            const float nrm = sqrtf((float)sum), inv = 1.0f / (nrm > eps ? nrm : eps);
+            for (int i = 0; i < D; i++) ut[g * D + i] *= inv;
+        }
+        for (int j = 0; j < Hv; j++) {
+            const float beta = 1.0f / (1.0f + expf(-b[t * Hv + j]));
+            const float xa = a[t * Hv + j] + dt[j], sp = xa > 20.0f ? xa : logf(1.0f + expf(xa));
+            const int g = j % Hk;
+            float *oj = o + t * VD + j * D;
+            kvs_ref_ssm_delta_step(sst + (seq[t] * Hv + j) * D * D, ut + g * D, ut + (Hk + g) * D,
+                                   ut + 2 * Hk * D + j * D, expf(sp * sa[j]), beta, scale, oj, D);
+            kvs_ref_ssm_gated_norm(oj, z + t * VD + j * D, nw, D, eps);
+        }
+    }
+    const double d_o = max_abs_diff(o, o_dev, T * VD), d_c = max_abs_diff(cst, cst_dev, NS * (K - 1) * CC);
+    const double d_s = max_abs_diff(sst, sst_dev, NS * Hv * D * D);
+    printf("gdn: output max diff %.3g, conv state %.3g, delta state %.3g\n", d_o, d_c, d_s);
+    assert_true(d_o <= 1e-4);
+    assert_true(d_c == 0.0); /* the conv state holds inputs: copied exactly */
+    assert_true(d_s <= 1e-5);
+    struct kvs_ocl_buf *all[] = { bx, bwt, bcs, bss, bu, bb, ba, bdt, bsa, bz, bnw, bo, bseq };
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) kvs_ocl_free(all[i]);
+}
+
+/* Gated attention's split of the query projection, the sigmoid gate and
+ * the shared expert's gated add, against model_attn.c / model_moe.c. */
+static void test_gated_ops(void **st)
+{
+    (void)st;
+    enum { T = 3, H = 4, D = 8, E = 20 };
+    static float qg[T * H * 2 * D], q[T * H * D], g[T * H * D], y[T * E], s[T * E], sg[T];
+    for (int i = 0; i < T * H * 2 * D; i++) qg[i] = rndf() * 4.0f;
+    for (int i = 0; i < T * E; i++) y[i] = rndf(), s[i] = rndf();
+    for (int i = 0; i < T; i++) sg[i] = rndf() * 5.0f;
+    struct kvs_ocl_buf *bqg = upload(qg, sizeof qg), *bq = upload(NULL, sizeof q), *bg = upload(NULL, sizeof g);
+    struct kvs_ocl_buf *by = upload(y, sizeof y), *bs = upload(s, sizeof s), *bsg = upload(sg, sizeof sg);
+    kvs_ocl_split_qg(C, bqg, bq, bg, T, H, D);
+    assert_int_equal(kvs_ocl_read(C, bg, 0, g, sizeof g), KVS_OK);
+    kvs_ocl_gate_mul(C, bq, bg, false, T * H * D);
+    kvs_ocl_add_gated(C, by, bs, bsg, T, E);
+    static float q_dev[T * H * D], y_dev[T * E];
+    assert_int_equal(kvs_ocl_read(C, bq, 0, q_dev, sizeof q_dev), KVS_OK);
+    assert_int_equal(kvs_ocl_read(C, by, 0, y_dev, sizeof y_dev), KVS_OK);
+    double dg = 0.0, dq = 0.0, dy = 0.0;
+    for (int th = 0; th < T * H; th++)
+        for (int e = 0; e < D; e++) {
+            const float qv = qg[th * 2 * D + e], gv = qg[th * 2 * D + D + e];
+            dg = fmax(dg, fabs(g[th * D + e] - gv));
+            dq = fmax(dq, fabs(q_dev[th * D + e] - qv * (1.0f / (1.0f + expf(-gv)))));
+        }
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < E; i++) {
+            const float want = y[t * E + i] + (1.0f / (1.0f + expf(-sg[t]))) * s[t * E + i];
+            dy = fmax(dy, fabs(y_dev[t * E + i] - want));
+        }
+    printf("split_qg gate max diff %.3g, sigmoid gate %.3g, add_gated %.3g\n", dg, dq, dy);
+    assert_true(dg == 0.0);
+    assert_true(dq <= 1e-5);
+    assert_true(dy <= 1e-5);
+    struct kvs_ocl_buf *all[] = { bqg, bq, bg, by, bs, bsg };
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) kvs_ocl_free(all[i]);
+}
+
 static void test_errors(void **st)
 {
     (void)st;
@@ -286,6 +398,8 @@ int main(void)
         cmocka_unit_test(test_matmul_types),
         cmocka_unit_test(test_matmul_experts),
         cmocka_unit_test(test_rmsnorm_swiglu),
+        cmocka_unit_test(test_gdn),
+        cmocka_unit_test(test_gated_ops),
         cmocka_unit_test(test_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
