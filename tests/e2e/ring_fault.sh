@@ -19,7 +19,7 @@ trap cleanup EXIT
 . "$(dirname "$0")/tools/ring_keys.sh"
 ring_keys "$tmp" 4 || { echo "FAIL: cannot make keys"; exit 1; }
 fail() { echo "FAIL: $*"; for f in "$tmp"/*.log; do echo "== $f"; tail -20 "$f"; done; exit 1; }
-base=$((20000 + ($$ % 400) * 100))
+base=$((20000 + ($$ % 120) * 100 + 90)) # below the ephemeral range (32768-60999)
 P=($base $((base + 1)) $((base + 2)) $((base + 3)))
 addr() { echo "127.0.0.1:${P[$1]}"; }
 start_rank() { # rank begin end
