@@ -3,7 +3,7 @@
 # 4 stage processes on loopback and generate text from a real model.
 #   bash scripts/demo.sh [MODEL.gguf] [PROMPT]
 # MODEL defaults to ../shared/models/aidreams260K.gguf (a small trained
-# model); any llama/qwen2/qwen3/qwen3moe GGUF works.
+# model); any llama/qwen2/qwen3/qwen3moe/qwen35/qwen35moe GGUF works.
 set -euo pipefail
 # A MODEL given on the command line is relative to the caller's directory.
 if [ -n "${1:-}" ] && [ -f "$1" ]; then MODEL=$(realpath "$1"); else MODEL=${1:-}; fi
