@@ -349,18 +349,6 @@ static int ring_start(struct ring *g, const struct relay *rl, const char *kvasir
     return 0;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 int main(int argc, char **argv)
 {
     const char *model_path = NULL, *kvasir = getenv("KVASIR_BIN");
@@ -383,7 +371,7 @@ int main(int argc, char **argv)
             }
             i++;
         } else {
-            fprintf(stderr, "usage: bench_trust [--model PATH] [--kvasir PATH] [--threads N] [--tokens N] "
+            fprintf(stderr, "usage: bench_relay [--model PATH] [--kvasir PATH] [--threads N] [--tokens N] "
                             "[--rounds R]\n");
             return 2;
         }
@@ -465,8 +453,8 @@ int main(int argc, char **argv)
     relay_stop(&rl);
     double pair[MAX_ROUNDS]; /* each round's relay / direct: the two rings ran back to back */
     for (int r = 0; r < rounds; r++) pair[r] = tps[1][r] / tps[0][r];
-    double ratio = median(pair, rounds);
-    double td = median(tps[0], rounds), tr = median(tps[1], rounds);
+    double ratio = kvs_bench_median(pair, rounds);
+    double td = kvs_bench_median(tps[0], rounds), tr = kvs_bench_median(tps[1], rounds);
     double cpu_tok = relay_tokens ? relay_cpu * 1e3 / relay_tokens : -1;
     printf("median decode: relay %.2f tok/s, direct %.2f tok/s; median of the rounds' relay / direct: %.3f\n", tr, td,
            ratio);

@@ -239,18 +239,6 @@ static int ring_start(struct ring *g, bool keyed, const char *kvasir, const char
     return 0;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 int main(int argc, char **argv)
 {
     const char *model_path = NULL, *kvasir = getenv("KVASIR_BIN");
@@ -338,9 +326,9 @@ int main(int argc, char **argv)
     }
     double pair[MAX_ROUNDS]; /* each round's TLS / insecure: the two rings ran back to back */
     for (int r = 0; r < rounds; r++) pair[r] = tps[1][r] / tps[0][r];
-    double ratio = median(pair, rounds);
-    double ti = median(tps[0], rounds), tt = median(tps[1], rounds);
-    double hi = median(hop[0], rounds), ht = median(hop[1], rounds);
+    double ratio = kvs_bench_median(pair, rounds);
+    double ti = kvs_bench_median(tps[0], rounds), tt = kvs_bench_median(tps[1], rounds);
+    double hi = kvs_bench_median(hop[0], rounds), ht = kvs_bench_median(hop[1], rounds);
     double added_decode = (1.0 / tt - 1.0 / ti) * 1e3 / N_STAGES;
     printf("median decode: TLS %.2f tok/s, insecure %.2f tok/s; median of the rounds' TLS / insecure: %.3f\n", tt, ti,
            ratio);

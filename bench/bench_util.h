@@ -8,6 +8,19 @@
 #include <string.h>
 #include <time.h>
 
+static inline int kvs_bench_cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Median of v[0..n) (n >= 1); sorts v in place. */
+static inline double kvs_bench_median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, kvs_bench_cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 /* Monotonic wall clock in seconds. */
 static inline double kvs_bench_now(void)
 {
