@@ -121,6 +121,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--port", type=int, default=20000 + os.getpid() % 12000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-rss-bound", action="store_true",
+                    help="print the RSS figures but do not fail on growth (sanitized builds: ASan's "
+                         "quarantine keeps freed memory resident, so RSS grows by design)")
     a = ap.parse_args()
     rnd = random.Random(a.seed)
     logf = tempfile.NamedTemporaryFile(prefix="soak-serve-", suffix=".log", delete=False)
@@ -215,12 +218,12 @@ def main():
             growth = (h[-1] - base) / base * 100 if base else 0
             print("soak: head (serve) RSS %d kB after the first %d requests, %d kB at the end (%+.1f%%)"
                   % (base, a.kill_every, h[-1], growth))
-            ok = ok and abs(growth) <= 10
+            ok = ok and (a.no_rss_bound or abs(growth) <= 10)
         for k, v in sorted(rss["stages"].items()):
             if len(v) >= 2:
                 gr = (v[-1] - v[0]) / v[0] * 100 if v[0] else 0
                 print("soak: stage pid %d RSS %d kB -> %d kB over %d samples (%+.1f%%)" % (k, v[0], v[-1], len(v), gr))
-                ok = ok and abs(gr) <= 10
+                ok = ok and (a.no_rss_bound or abs(gr) <= 10)
         print("soak: %s (serve log %s)" % ("PASS" if ok else "FAIL", logf.name))
         return 0 if ok else 1
     finally:

@@ -454,7 +454,7 @@ static void ed_heads_3(struct kvs_gguf_writer *w)
 }
 static void ed_tokens_520(struct kvs_gguf_writer *w)
 {
-    static char names[520][8];
+    static char names[520][16]; /* room for any int: gcc -O1 + sanitizers checks the full range */
     const char *strs[520];
     for (int i = 0; i < 520; i++) {
         snprintf(names[i], sizeof names[i], "t%d", i);

@@ -219,7 +219,7 @@ static void test_stream_of_frames(void **state)
 
 struct bad_case {
     const char *name;
-    uint8_t bytes[64];
+    uint8_t bytes[72]; /* the longest case is a 24-byte header + 44-byte payload */
     size_t len;       /* bytes fed */
     uint32_t max;     /* decoder cap */
     uint32_t n_embd;
