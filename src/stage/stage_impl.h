@@ -30,6 +30,8 @@
 
 #define MAX_PENDING_LINKS 16 /* accepted connections waiting for their HELLO */
 #define PEND_MIN_AGE_MS 250  /* a new connection evicts a pending one only if that one is older than this */
+#define MAX_PENDING_PER_ADDR 4 /* pending links one source address may hold: a flood from one address
+                                  rotates its own entries and never fills the table */
 #define REFUSAL_LOG_BURST 10 /* refused / closed pending links logged per REFUSAL_LOG_MS, then counted */
 #define REFUSAL_LOG_MS 10000
 #define HANDSHAKE_MS 3000    /* a HELLO must arrive within this */

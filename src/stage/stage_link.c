@@ -240,6 +240,15 @@ void kvs_st_pend_close(struct pending_link *pl)
     memset(pl, 0, sizeof *pl);
 }
 
+/* Whether two "host:port" peer strings name the same host (the part before
+ * the last ':'; IPv6 hosts keep their inner colons). */
+static bool same_host(const char *a, const char *b)
+{
+    const char *ca = strrchr(a, ':'), *cb = strrchr(b, ':');
+    size_t la = ca ? (size_t)(ca - a) : strlen(a), lb = cb ? (size_t)(cb - b) : strlen(b);
+    return la == lb && memcmp(a, b, la) == 0;
+}
+
 void kvs_st_accept_new(struct kvs_stage *s)
 {
     for (;;) {
@@ -249,10 +258,27 @@ void kvs_st_accept_new(struct kvs_stage *s)
         /* TLS first (PROTOCOL.md §4): nothing of the peer's is read as a frame
          * before it proved the predecessor's key */
         if (s->tls && kvs_tls_wrap(s->tls, l, KVS_TLS_ACCEPTOR, s->p.prev_key, &l)) return;
-        int slot = -1;
-        for (int i = 0; i < MAX_PENDING_LINKS; i++)
-            if (!s->pend[i].l) slot = i;
-        if (slot < 0) {
+        int slot = -1, n_same = 0, oldest_same = -1;
+        for (int i = 0; i < MAX_PENDING_LINKS; i++) {
+            if (!s->pend[i].l) {
+                slot = i;
+                continue;
+            }
+            if (!same_host(s->pend[i].l->peer, l->peer)) continue;
+            n_same++;
+            if (oldest_same < 0 || s->pend[i].since < s->pend[oldest_same].since) oldest_same = i;
+        }
+        if (n_same >= MAX_PENDING_PER_ADDR) {
+            /* One address already holds its share of the table: its own
+             * oldest entry makes room, whatever its age, so that a flood from
+             * one address cannot crowd out a neighbour re-dialling from
+             * another (issue 9) */
+            if (kvs_st_refusal_log_ok(s))
+                KVS_LOGW("closing link from %s: no HELLO yet and %d links from that address are pending",
+                         s->pend[oldest_same].l->peer, n_same);
+            kvs_st_pend_close(&s->pend[oldest_same]);
+            slot = oldest_same;
+        } else if (slot < 0) {
             /* The table is full: the oldest entry makes room only if it had
              * PEND_MIN_AGE_MS for its HELLO (a neighbour's re-dial needs a
              * few round trips); else the newcomer is the one turned away. A
@@ -667,8 +693,11 @@ void kvs_st_out_read(struct kvs_stage *s)
             s->out_dropped = 0;
             if (!s->is_head && rejoin) {
                 /* Frames sent while this link was down are lost: requests in
-                 * flight cannot finish. Tell every stage and the head (§5). */
-                snprintf(msg, sizeof msg, "stage [%d,%d) re-joined its successor: requests in flight are lost",
+                 * flight cannot finish here. Tell every stage and the head
+                 * (§5), which holds and replays them (§5.1) or, with replay
+                 * off, fails them. */
+                snprintf(msg, sizeof msg,
+                         "stage [%d,%d) re-joined its successor: frames in flight were lost (the head replays its requests)",
                          (int)s->begin, (int)s->end);
                 kvs_st_drop_all(s, KVS_ERR_PEER, msg);
                 kvs_st_send_error(s, 0, KVS_ERR_PEER, msg);

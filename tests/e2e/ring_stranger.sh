@@ -7,7 +7,11 @@
 #  B. a fitting HELLO every 150 ms while the ring serves never replaces the live
 #     predecessor: every request succeeds, the stranger is never answered;
 #  C. 300 garbage connections: at most 10 warning lines about them (rate-limited;
-#     churned connections once wrote 735,000 lines), and the ring still serves.
+#     churned connections once wrote 735,000 lines), and the ring still serves;
+#  D. a flood of silent connections from one address (127.0.0.2, 1000 per second)
+#     while the tail is killed and restarted: the tail's re-dial from 127.0.0.1
+#     still gets in (a per-address share of the pending table; it was locked out)
+#     and the ring serves again within 8 s.
 set -uo pipefail
 BIN=${KVASIR_BIN:?}; M=${KVASIR_SHARED:?}/models/aidreams260K.gguf
 command -v python3 >/dev/null && command -v curl >/dev/null || { echo "FAIL: python3/curl missing: run scripts/install-deps.sh"; exit 1; }
@@ -45,7 +49,8 @@ echo "ok: A: a stranger's refusal did not end stage -p; it answered once the rea
 
 # --- B. fitting HELLOs while the ring serves ---
 "$BIN" stage -m "$M" --window 2:4 --listen 127.0.0.1:$PT --next 127.0.0.1:$PH --insecure 2>"$T/tail.log" &
-pids+=($!)
+tp=$!
+pids+=($tp)
 "$BIN" stage -m "$M" --window 0:2 --listen 127.0.0.1:$PH --next 127.0.0.1:$PT --insecure --api $PA 2>"$T/head.log" &
 hp=$!
 pids+=($hp)
@@ -77,5 +82,26 @@ after=$(grep -c ' warn: ' "$T/head.log")
 [[ $((after - before)) -le 10 ]] || fail "C: $((after - before)) warning lines for 300 garbage connections"
 r=$(ask); [[ $r == *"\"text\":\"$want\""* ]] || fail "C: the ring does not serve after the garbage: $r"
 echo "ok: C: $((after - before)) warning lines for 300 garbage connections; the ring serves"
+
+# --- D. a one-address flood while the tail restarts ---
+timeout 30 python3 "$here/tools/flood.py" 127.0.0.2 "$PH" 1000 12 5000 >"$T/d.res" &
+fp=$!
+pids+=($fp)
+sleep 1.5
+kill -9 "$tp"; wait "$tp" 2>/dev/null
+"$BIN" stage -m "$M" --window 2:4 --listen 127.0.0.1:$PT --next 127.0.0.1:$PH --insecure 2>"$T/tail2.log" &
+pids+=($!)
+t0=$(date +%s%N)
+ok=0
+while (( ($(date +%s%N) - t0) / 1000000 < 8000 )); do
+  r=$(curl -s -m 8 "http://127.0.0.1:$PA/v1/completions" -d '{"prompt":"Once upon a time","max_tokens":60,"temperature":0}')
+  [[ $r == *"\"text\":\"$want\""* ]] && { ok=1; break; }
+  sleep 0.2
+done
+ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+kill -0 "$fp" 2>/dev/null || fail "D: the flood ended before the check: $(cat "$T/d.res")"
+[[ $ok == 1 ]] || fail "D: with a flood from 127.0.0.2 the restarted tail did not get back in: no answer ${ms} ms after its restart: ${r:0:300}"
+echo "ok: D: under a flood of 1000 connections/s from 127.0.0.2, the restarted tail rejoined; first answer ${ms} ms after its restart"
+wait "$fp"; echo "D: flood: $(cat "$T/d.res")"
 kill -0 "$hp" || fail "the head died"
 echo PASS
