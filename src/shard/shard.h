@@ -121,6 +121,7 @@ struct kvs_shard_index {
     uint64_t file_size;
     uint64_t data_offset;
     uint32_t alignment;
+    uint8_t metadata_sha256[32]; /* kvs_shard_metadata_digest of the file's header */
     size_t n_tensors;
     struct kvs_shard_index_entry *tensors; /* [n_tensors], owned */
 };
@@ -149,10 +150,20 @@ void kvs_shard_index_free(struct kvs_shard_index *ix);
 /* --- content id ------------------------------------------------------------- */
 
 /* The content id of a model (docs/FORMATS.md "Content id"): SHA-256 of
- *   "kvasir-content-v1" || fingerprint (32 bytes) || u64le n_tensors ||
- *   SHA-256(data of tensor) for every tensor in byte-wise name order
+ *   "kvasir-content-v2" || fingerprint (32 bytes) || metadata digest (32) ||
+ *   u64le n_tensors || SHA-256(data of tensor) for every tensor in byte-wise
+ *   name order
  * (data = the tensor's unpadded bytes). Unlike the fingerprint (shapes) it
- * changes with any weight. */
+ * changes with any weight, any token string or score, the chat template, or
+ * any hyperparameter. */
+
+/* The metadata digest: SHA-256 over the concatenated raw bytes of every
+ * metadata KV pair as the GGUF stores it (u64 key length, key, u32 type,
+ * value; kvs_gguf_kv_raw) whose key does not start with "kvasir.", the pairs
+ * in byte-wise key order. A shard (which copies its source's KVs verbatim and
+ * adds kvasir.shard.*) has its source's digest. Works on a header parsed from
+ * a buffer. Errors: KVS_ERR_ARG (NULL), KVS_ERR_NOMEM, KVS_ERR_INTERNAL. */
+kvs_err kvs_shard_metadata_digest(const struct kvs_gguf *g, uint8_t out[32]);
 
 /* From an index (its fingerprint and per-tensor digests; no file is read).
  * Errors: KVS_ERR_FORMAT (bad fingerprint hex, two entries of one name),

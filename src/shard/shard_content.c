@@ -1,7 +1,7 @@
-/* The content identity of a model: one SHA-256 over its fingerprint and the
- * SHA-256 of every tensor's data (docs/FORMATS.md, "Content id"). The
- * fingerprint says which shapes a model has; the content id says which
- * weights. */
+/* The content identity of a model: one SHA-256 over its fingerprint, the
+ * digest of its metadata and the SHA-256 of every tensor's data
+ * (docs/FORMATS.md, "Content id"). The fingerprint says which shapes a model
+ * has; the content id says which weights, tokenizer and hyperparameters. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -10,10 +10,12 @@
 #include "common/hex.h"
 #include "shard/shard_impl.h"
 
-#define CONTENT_TAG "kvasir-content-v1"
+#define CONTENT_TAG "kvasir-content-v2"
+#define META_PREFIX "kvasir."
 
-/* SHA-256(tag || fp || u64le n || d[0] || ... || d[n-1]). */
-static kvs_err content_hash(const uint8_t fp[32], const uint8_t *const *d, size_t n, uint8_t out[32])
+/* SHA-256(tag || fp || meta || u64le n || d[0] || ... || d[n-1]). */
+static kvs_err content_hash(const uint8_t fp[32], const uint8_t meta[32], const uint8_t *const *d, size_t n,
+                            uint8_t out[32])
 {
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
     if (!ctx)
@@ -23,12 +25,52 @@ static kvs_err content_hash(const uint8_t fp[32], const uint8_t *const *d, size_
         nb[i] = (uint8_t)((uint64_t)n >> (8 * i));
     unsigned int len = 0;
     int ok = EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) && EVP_DigestUpdate(ctx, CONTENT_TAG, strlen(CONTENT_TAG)) &&
-             EVP_DigestUpdate(ctx, fp, 32) && EVP_DigestUpdate(ctx, nb, 8);
+             EVP_DigestUpdate(ctx, fp, 32) && EVP_DigestUpdate(ctx, meta, 32) && EVP_DigestUpdate(ctx, nb, 8);
     for (size_t i = 0; ok && i < n; i++)
         ok = EVP_DigestUpdate(ctx, d[i], 32);
     ok = ok && EVP_DigestFinal_ex(ctx, out, &len) && len == 32;
     EVP_MD_CTX_free(ctx);
     return ok ? KVS_OK : KVS_ERR_INTERNAL;
+}
+
+struct kv_ref {
+    const char *key;
+    size_t i;
+};
+
+static int cmp_kv(const void *a, const void *b)
+{
+    return strcmp(((const struct kv_ref *)a)->key, ((const struct kv_ref *)b)->key);
+}
+
+kvs_err kvs_shard_metadata_digest(const struct kvs_gguf *g, uint8_t out[32])
+{
+    if (!g || !out)
+        return KVS_ERR_ARG;
+    size_t n = kvs_gguf_n_kv(g), m = 0;
+    struct kv_ref *r = malloc((n ? n : 1) * sizeof *r);
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    kvs_err err = r && ctx ? KVS_OK : KVS_ERR_NOMEM;
+    for (size_t i = 0; !err && i < n; i++) {
+        const char *k = kvs_gguf_key(g, i);
+        if (strncmp(k, META_PREFIX, strlen(META_PREFIX)) != 0)
+            r[m++] = (struct kv_ref){ k, i };
+    }
+    if (!err && m > 1)
+        qsort(r, m, sizeof *r, cmp_kv); /* keys are unique: kvs_gguf_open checks */
+    unsigned int len = 0;
+    int ok = !err && EVP_DigestInit_ex(ctx, EVP_sha256(), NULL);
+    for (size_t j = 0; ok && j < m; j++) {
+        const uint8_t *p;
+        size_t plen;
+        ok = kvs_gguf_kv_raw(g, r[j].i, &p, &plen) == KVS_OK && EVP_DigestUpdate(ctx, p, plen);
+    }
+    ok = ok && EVP_DigestFinal_ex(ctx, out, &len) && len == 32;
+    if (!err && !ok)
+        err = KVS_ERR_INTERNAL;
+    EVP_MD_CTX_free(ctx);
+    free(r);
+    return err;
 }
 
 static int cmp_entry(const void *a, const void *b)
@@ -63,7 +105,7 @@ kvs_err kvs_shard_index_content_id(const struct kvs_shard_index *ix, uint8_t out
         }
     }
     if (!err)
-        err = content_hash(fp, d, n, out);
+        err = content_hash(fp, ix->metadata_sha256, d, n, out);
     free(e);
     free(d);
     return err;
@@ -108,8 +150,11 @@ kvs_err kvs_shard_content_id(const struct kvs_gguf *g, uint8_t out[32], char *er
             err = kvs_shard_sha256(t->bytes ? t->data : "", t->bytes, sha[k]);
         d[k] = sha[k];
     }
+    uint8_t meta[32];
     if (!err)
-        err = content_hash(fp, d, n, out);
+        err = kvs_shard_metadata_digest(g, meta);
+    if (!err)
+        err = content_hash(fp, meta, d, n, out);
     free(ts);
     free(sha);
     free(d);

@@ -74,6 +74,9 @@ kvs_err kvs_shard_index_build(const struct kvs_gguf *g, struct kvs_shard_index *
     ix->file_size = kvs_gguf_file_size(g);
     ix->data_offset = kvs_gguf_data_offset(g);
     ix->alignment = kvs_gguf_alignment(g);
+    err = kvs_shard_metadata_digest(g, ix->metadata_sha256);
+    if (err)
+        return kvs_shard__err(err, errbuf, errlen, "cannot digest the model's metadata: %s", kvs_strerror(err));
     size_t n = kvs_gguf_n_tensors(g);
     ix->tensors = calloc(n ? n : 1, sizeof *ix->tensors);
     if (!ix->tensors)
@@ -110,11 +113,14 @@ kvs_err kvs_shard_index_save(const struct kvs_shard_index *ix, const char *path,
         return KVS_ERR_NOMEM;
     }
     json_object_set_new(root, "format", json_string("kvasir-shard-index"));
-    json_object_set_new(root, "version", json_integer(1));
+    json_object_set_new(root, "version", json_integer(2));
     json_object_set_new(root, "fingerprint", json_string(ix->fingerprint));
     json_object_set_new(root, "file_size", json_integer((json_int_t)ix->file_size));
     json_object_set_new(root, "data_offset", json_integer((json_int_t)ix->data_offset));
     json_object_set_new(root, "alignment", json_integer((json_int_t)ix->alignment));
+    char metahex[65];
+    kvs_shard_hex(ix->metadata_sha256, metahex);
+    json_object_set_new(root, "metadata_sha256", json_string(metahex));
     uint8_t cid[32];
     char cidhex[65];
     if (kvs_shard_index_content_id(ix, cid) != KVS_OK) {
@@ -189,6 +195,11 @@ kvs_err kvs_shard_index_parse(const char *text, size_t len, struct kvs_shard_ind
         !get_u64(root, "alignment", &align) || align == 0 || align > (1u << 30))
         goto fail;
     ix->alignment = (uint32_t)align;
+    /* required since content recipe v2 (index version 2): an older index cannot name a content id */
+    json_t *meta = json_object_get(root, "metadata_sha256");
+    what = "metadata_sha256 (missing in an index made before index version 2: rebuild it with kvasir shard index)";
+    if (!json_is_string(meta) || !kvs_shard_unhex(json_string_value(meta), json_string_length(meta), ix->metadata_sha256))
+        goto fail;
     what = "tensors";
     if (!json_is_array(arr))
         goto fail;

@@ -605,6 +605,15 @@ static kvs_err bind_index(struct fetch *f, const struct kvs_gguf *g, const struc
         return ferr(f, KVS_ERR_MISMATCH, "the index describes another file (fingerprint %.16s..., %" PRIu64
                     " bytes) than %s (%.16s..., %" PRIu64 " bytes)", ix->fingerprint, ix->file_size, f->p->url,
                     hex, f->size);
+    /* The metadata (tokenizer, chat template, hyperparameters) is part of the content id: the
+     * header this server sent must be the one the index was made of. */
+    uint8_t meta[32];
+    err = kvs_shard_metadata_digest(g, meta);
+    if (err)
+        return ferr(f, err, "cannot digest the source header's metadata");
+    if (memcmp(meta, ix->metadata_sha256, 32) != 0)
+        return ferr(f, KVS_ERR_MISMATCH, "the metadata in %s's header (tokenizer, chat template, hyperparameters) "
+                    "is not the one the index describes (a hostile or stale server)", f->p->url);
     for (size_t i = 0; i < f->nt; i++) {
         const struct kvs_shard_index_entry *e = kvs_shard_index_find(ix, f->t[i].name);
         if (!e || e->offset != f->t[i].src || e->size != f->t[i].bytes)

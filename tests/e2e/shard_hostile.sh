@@ -93,6 +93,18 @@ if fetch --url "$H/offsetnoix/m.gguf" -o "$T/o3.gguf" --content-id "$cid" 2>"$T/
 grep -q "has no shard index" "$T/err" || fail "unclear error: $(cat "$T/err")"
 echo "ok: trusted content id: honest server passes (trusted=yes, == extract), no index refused"
 
+# 3b. every weight right and the real index, but one token string changed in the header the server
+#     sends: the content id covers the metadata, so the fetch refuses it (with or without a trusted id).
+for args in "" "--content-id $cid"; do
+    # shellcheck disable=SC2086
+    if fetch --url "$H/tokswap/m.gguf" -o "$T/ts.gguf" $args 2>"$T/err"; then
+        fail "a swapped token string accepted (${args:-no content id})"; fi
+    grep -q "metadata in .* header (tokenizer, chat template, hyperparameters) is not the one the index describes" \
+        "$T/err" || fail "unclear error: $(cat "$T/err")"
+    [[ ! -e $T/ts.gguf ]] || fail "output left"
+done
+echo "ok: one token string swapped, right weights and index -> $(cat "$T/err")"
+
 # 4. a header claiming a 900 MB string: refused before the download, small RSS.
 read -r rc kb secs < <(rss timeout 60 "$K" shard fetch --url "$H/hugehdr/m.gguf" --window 0:1 -o "$T/hh.gguf" \
     --progress none 2>"$T/err")

@@ -403,8 +403,31 @@ static void test_content_id(void **state)
     assert_int_equal(kvs_gguf_fingerprint(g, fp), KVS_OK);
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
     EVP_DigestInit_ex(ctx, EVP_sha256(), NULL);
-    EVP_DigestUpdate(ctx, "kvasir-content-v1", 17);
+    /* metadata digest: the raw KV pairs (none is kvasir.* here) in key order */
+    size_t nkv = kvs_gguf_n_kv(g);
+    const char **keys = calloc(nkv, sizeof *keys);
+    for (size_t i = 0; i < nkv; i++)
+        keys[i] = kvs_gguf_key(g, i);
+    qsort(keys, nkv, sizeof *keys, cmp_names);
+    uint8_t meta[32];
+    EVP_MD_CTX *mctx = EVP_MD_CTX_new();
+    EVP_DigestInit_ex(mctx, EVP_sha256(), NULL);
+    for (size_t i = 0; i < nkv; i++) {
+        const uint8_t *raw;
+        size_t rl;
+        assert_int_equal(kvs_gguf_kv_raw(g, (size_t)kvs_gguf_find_key(g, keys[i]), &raw, &rl), KVS_OK);
+        EVP_DigestUpdate(mctx, raw, rl);
+    }
+    unsigned int mlen = 0;
+    EVP_DigestFinal_ex(mctx, meta, &mlen);
+    EVP_MD_CTX_free(mctx);
+    free(keys);
+    uint8_t got_meta[32];
+    assert_int_equal(kvs_shard_metadata_digest(g, got_meta), KVS_OK);
+    assert_memory_equal(got_meta, meta, 32);
+    EVP_DigestUpdate(ctx, "kvasir-content-v2", 17);
     EVP_DigestUpdate(ctx, fp, 32);
+    EVP_DigestUpdate(ctx, meta, 32);
     uint8_t nb[8] = { (uint8_t)n, (uint8_t)(n >> 8) }; /* 30 tensors: little-endian u64 */
     EVP_DigestUpdate(ctx, nb, 8);
     for (size_t i = 0; i < n; i++) {
@@ -436,6 +459,11 @@ static void test_content_id(void **state)
     assert_int_equal(kvs_shard_index_content_id(&ix, got), KVS_OK);
     assert_memory_not_equal(got, want, 32);
     ix.tensors[3].sha256[7] ^= 1;
+    /* another metadata digest (a token string changed): another id */
+    ix.metadata_sha256[0] ^= 1;
+    assert_int_equal(kvs_shard_index_content_id(&ix, got), KVS_OK);
+    assert_memory_not_equal(got, want, 32);
+    ix.metadata_sha256[0] ^= 1;
     /* two entries of one name: no single content */
     snprintf(ix.tensors[1].name, sizeof ix.tensors[1].name, "%s", ix.tensors[2].name);
     assert_int_equal(kvs_shard_index_content_id(&ix, got), KVS_ERR_FORMAT);
@@ -471,6 +499,14 @@ static void test_content_id(void **state)
     }
     at[-1] = ' '; /* "content_id": <64 hex digits>" : not a string */
     assert_int_equal(kvs_shard_index_parse(text, tl, &ix, msg, sizeof msg), KVS_ERR_FORMAT);
+    at[-1] = '"';
+    /* an index without metadata_sha256 (made before index version 2) names no content: refused, saying so */
+    char *mk = strstr(text, "\"metadata_sha256\"");
+    assert_non_null(mk);
+    memcpy(mk + 1, "metadata_shaXXX", 15);
+    assert_int_equal(kvs_shard_index_parse(text, tl, &ix, msg, sizeof msg), KVS_ERR_FORMAT);
+    assert_non_null(strstr(msg, "metadata_sha256"));
+    assert_non_null(strstr(msg, "rebuild it"));
     remove(path);
 
     /* extract records the source's id in the shard; the shard reports it */
@@ -481,6 +517,113 @@ static void test_content_id(void **state)
     assert_int_equal(kvs_shard_content_id(sh, got, msg, sizeof msg), KVS_OK);
     assert_memory_equal(got, want, 32);
     kvs_gguf_close(sh);
+    remove(path);
+    kvs_gguf_close(g);
+}
+
+/* Rewrites g to path with one metadata edit (and optionally the KVs or the
+ * tensors in reverse order), the tensors' bytes unchanged. */
+enum md_edit { MD_NONE, MD_TOKEN, MD_TEMPLATE, MD_BOS, MD_ROPE, MD_KVASIR_KEY };
+
+static void rewrite_model(const struct kvs_gguf *g, const char *path, enum md_edit edit, bool rev_kv, bool rev_t)
+{
+    struct kvs_gguf_writer *w = kvs_gguf_writer_create();
+    assert_non_null(w);
+    size_t nkv = kvs_gguf_n_kv(g), nt = kvs_gguf_n_tensors(g);
+    for (size_t j = 0; j < nkv; j++)
+        assert_int_equal(kvs_gguf_writer_copy_kv(w, g, rev_kv ? nkv - 1 - j : j), KVS_OK);
+    char **toks = NULL;
+    uint64_t ntok = 0;
+    switch (edit) {
+    case MD_NONE:
+        break;
+    case MD_TOKEN: { /* one byte of token 100's string */
+        int64_t ki = kvs_gguf_find_key(g, "tokenizer.ggml.tokens");
+        assert_true(ki >= 0);
+        ntok = kvs_gguf_arr_n(g, (size_t)ki);
+        assert_true(ntok > 100);
+        toks = calloc(ntok, sizeof *toks);
+        for (uint64_t k = 0; k < ntok; k++) {
+            const char *s;
+            size_t len;
+            assert_int_equal(kvs_gguf_arr_str(g, (size_t)ki, k, &s, &len), KVS_OK);
+            toks[k] = calloc(len + 2, 1);
+            memcpy(toks[k], s, len);
+            if (k == 100)
+                toks[k][0] = toks[k][0] == 'x' ? 'y' : 'x';
+        }
+        assert_int_equal(kvs_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", (const char *const *)toks, ntok),
+                         KVS_OK);
+        break;
+    }
+    case MD_TEMPLATE:
+        assert_int_equal(kvs_gguf_writer_set_str(w, "tokenizer.chat_template", "{{ messages[0].content }}"), KVS_OK);
+        break;
+    case MD_BOS: {
+        uint32_t bos = 0;
+        assert_int_equal(kvs_gguf_get_u32(g, "tokenizer.ggml.bos_token_id", &bos), KVS_OK);
+        assert_int_equal(kvs_gguf_writer_set_u32(w, "tokenizer.ggml.bos_token_id", bos + 1), KVS_OK);
+        break;
+    }
+    case MD_ROPE:
+        assert_int_equal(kvs_gguf_writer_set_f32(w, "llama.rope.freq_base", 12345.0f), KVS_OK);
+        break;
+    case MD_KVASIR_KEY:
+        assert_int_equal(kvs_gguf_writer_set_str(w, "kvasir.note", "kvasir.* keys are not content"), KVS_OK);
+        break;
+    }
+    for (size_t j = 0; j < nt; j++) {
+        const struct kvs_gguf_tensor *t = kvs_gguf_tensor(g, rev_t ? nt - 1 - j : j);
+        assert_int_equal(kvs_gguf_writer_add_tensor(w, t->name, t->type, t->n_dims, t->ne, t->data, t->bytes), KVS_OK);
+    }
+    assert_int_equal(kvs_gguf_writer_write_file(w, path), KVS_OK);
+    kvs_gguf_writer_free(w);
+    for (uint64_t k = 0; k < ntok; k++)
+        free(toks[k]);
+    free(toks);
+}
+
+/* The content id covers the metadata: the tokenizer (token strings, special
+ * token ids), the chat template and the hyperparameters change it; KV order,
+ * tensor layout and kvasir.* keys do not. The index's id agrees with the
+ * file's in each case. */
+static void test_content_id_metadata(void **state)
+{
+    (void)state;
+    struct kvs_gguf *g = open_model("llama-q4_k_m.gguf");
+    char msg[256] = "";
+    uint8_t base[32];
+    assert_int_equal(kvs_shard_content_id(g, base, msg, sizeof msg), KVS_OK);
+    static const struct {
+        enum md_edit edit;
+        bool rev_kv, rev_t, same;
+        const char *what;
+    } cases[] = {
+        { MD_NONE, false, false, true, "rewritten unchanged" },
+        { MD_NONE, true, false, true, "KVs in reverse order" },
+        { MD_NONE, false, true, true, "tensors in reverse order (another layout)" },
+        { MD_KVASIR_KEY, false, false, true, "a kvasir.* key added" },
+        { MD_TOKEN, false, false, false, "one byte of one token string" },
+        { MD_TEMPLATE, false, false, false, "a chat template added" },
+        { MD_BOS, false, false, false, "the BOS token id" },
+        { MD_ROPE, false, false, false, "rope.freq_base" },
+    };
+    char path[512];
+    tmp_path(path, sizeof path, "cidmeta.gguf");
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        rewrite_model(g, path, cases[c].edit, cases[c].rev_kv, cases[c].rev_t);
+        struct kvs_gguf *h = NULL;
+        assert_int_equal(kvs_gguf_open(path, &h, msg, sizeof msg), KVS_OK);
+        uint8_t got[32], gix[32];
+        assert_int_equal(kvs_shard_content_id(h, got, msg, sizeof msg), KVS_OK);
+        struct kvs_shard_index ix;
+        assert_int_equal(kvs_shard_index_build(h, &ix, msg, sizeof msg), KVS_OK);
+        assert_int_equal(kvs_shard_index_content_id(&ix, gix), KVS_OK);
+        kvs_shard_index_free(&ix);
+        if (cases[c].same != (memcmp(got, base, 32) == 0) || memcmp(got, gix, 32) != 0)
+            fail_msg("content id, %s: %s", cases[c].what, cases[c].same ? "changed" : "unchanged");
+        kvs_gguf_close(h);
+    }
     remove(path);
     kvs_gguf_close(g);
 }
@@ -862,6 +1005,7 @@ int main(void)
         cmocka_unit_test(test_shard_describe),
         cmocka_unit_test(test_index_roundtrip),
         cmocka_unit_test(test_content_id),
+        cmocka_unit_test(test_content_id_metadata),
         cmocka_unit_test(test_seed_ranges),
         cmocka_unit_test(test_seed_names),
         cmocka_unit_test(test_fetch_loopback),

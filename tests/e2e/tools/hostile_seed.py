@@ -15,6 +15,9 @@ Serves MODEL.gguf with HTTP ranges under /MODE/m.gguf and its index under
               range gets filler as fast as the socket takes it
   hugeindex   honest bytes; the index claims Content-Length 600 MB, filler follows
   hugeindex2  the same without a Content-Length (ends when the connection closes)
+  tokswap     every tensor byte right and the real index, but one byte of one
+              token string in the header's tokenizer.ggml.tokens changed (the
+              fingerprint and every tensor digest still match)
 """
 import http.server, json, os, re, socketserver, struct, sys, time
 
@@ -26,6 +29,23 @@ HUGE_TOTAL = 4 << 30
 HUGE_HDR = (b'GGUF' + struct.pack('<IQQ', 3, 1, 1) + struct.pack('<Q', 12) + b'general.name' +
             struct.pack('<IQ', 8, 900 * 1000 * 1000))
 FILL = b'\x20' * 65536
+
+
+def token_swapped(data):
+    """data with the first byte of token 100's string in tokenizer.ggml.tokens changed."""
+    key = b'tokenizer.ggml.tokens'
+    at = data.index(struct.pack('<Q', len(key)) + key) + 8 + len(key)
+    typ, elem, n = struct.unpack_from('<IIQ', data, at)
+    assert typ == 9 and elem == 8 and n > 100, (typ, elem, n)
+    p = at + 16
+    for _ in range(100):
+        p += 8 + struct.unpack_from('<Q', data, p)[0]
+    out = bytearray(data)
+    out[p + 8] = ord('x') if out[p + 8] != ord('x') else ord('y')
+    return bytes(out)
+
+
+SWAPPED = token_swapped(DATA)
 
 
 class H(http.server.BaseHTTPRequestHandler):
@@ -104,6 +124,8 @@ class H(http.server.BaseHTTPRequestHandler):
                 self.wfile.write(DATA[i:i + 1])
                 self.wfile.flush()
                 time.sleep(2)
+        elif mode == 'tokswap':
+            self.wfile.write(SWAPPED[a:b + 1])
         else:
             self.wfile.write(DATA[a:b + 1])
 
