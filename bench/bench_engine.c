@@ -39,6 +39,7 @@
 #include <unistd.h>
 
 #include "bench_util.h"
+#include "lib/bench_ring4.h"
 #include "gguf/gguf.h"
 #include "kernels/kernels.h"
 #include "model/model.h"
@@ -46,7 +47,7 @@
 
 extern char **environ;
 
-#define DEFAULT_MODEL "/tmp/kvasir-bench-qwen3-0.6b-q8_0.gguf"
+#define DEFAULT_MODEL KVS_BENCH_QWEN3_Q8_0
 #define DEFAULT_MODEL_35 "/tmp/kvasir-bench-qwen35-0.6b-q8_0.gguf"
 #define N_PROMPT_DECODE 8
 #define N_DECODE 64
@@ -72,20 +73,8 @@ static int make_model(const char *kvasir, const char *path, bool qwen35)
     char *const *argv = qwen35 ? argv35 : argv3;
     fprintf(stderr, "bench_engine: creating %s with %s gguf synth ...\n", path, kvasir);
     double t0 = kvs_bench_now();
-    pid_t pid;
-    int rc = posix_spawn(&pid, kvasir, NULL, NULL, argv, environ);
-    if (rc) {
-        fprintf(stderr, "bench_engine: cannot run %s: %s\n", kvasir, strerror(rc));
+    if (kvs_bench_spawn_wait("bench_engine", argv))
         return -1;
-    }
-    int st = 0;
-    while (waitpid(pid, &st, 0) < 0)
-        if (errno != EINTR)
-            return -1;
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-        fprintf(stderr, "bench_engine: %s gguf synth failed (status %d)\n", kvasir, st);
-        return -1;
-    }
     fprintf(stderr, "bench_engine: created in %.1f s\n", kvs_bench_now() - t0);
     return 0;
 }
@@ -131,7 +120,7 @@ int main(int argc, char **argv)
     const char *kvasir = getenv("KVASIR_BIN");
     bool qwen35 = false;
     int n_threads = 2;
-    char self_dir[PATH_MAX], kvasir_buf[PATH_MAX + 16];
+    char kvasir_buf[PATH_MAX + 16];
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--model") && i + 1 < argc)
             model_path = argv[++i];
@@ -154,15 +143,9 @@ int main(int argc, char **argv)
     }
     if (!model_path)
         model_path = qwen35 ? DEFAULT_MODEL_35 : DEFAULT_MODEL;
-    if (!kvasir) {
-        ssize_t k = readlink("/proc/self/exe", self_dir, sizeof self_dir - 1);
-        if (k <= 0) {
-            fprintf(stderr, "bench_engine: cannot locate myself; give --kvasir\n");
-            return 2;
-        }
-        self_dir[k] = 0;
-        snprintf(kvasir_buf, sizeof kvasir_buf, "%s/kvasir", dirname(self_dir));
-        kvasir = kvasir_buf;
+    if (!(kvasir = kvs_bench_kvasir(kvasir, kvasir_buf, sizeof kvasir_buf))) {
+        fprintf(stderr, "bench_engine: cannot locate myself; give --kvasir\n");
+        return 2;
     }
 
     struct stat st;

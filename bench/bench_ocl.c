@@ -27,35 +27,16 @@
 #include <unistd.h>
 
 #include "bench_util.h"
+#include "lib/bench_ring4.h"
 #include "gguf/gguf.h"
 #include "model/model.h"
 #include "ocl/ocl.h"
 
 extern char **environ;
 
-#define DEFAULT_MODEL "/tmp/kvasir-bench-qwen3-0.6b-q8_0.gguf"
+#define DEFAULT_MODEL KVS_BENCH_QWEN3_Q8_0
 #define N_PROMPT 8
 #define N_REPS 2
-
-static int make_model(const char *kvasir, const char *path)
-{
-    char *const argv[] = {
-        (char *)kvasir, "gguf", "synth", "--arch", "qwen3", "--n-embd", "1024", "--n-block", "28",
-        "--n-head", "16", "--n-head-kv", "8", "--head-dim", "128", "--n-ff", "3072", "--n-vocab", "151936",
-        "--tied", "--ctx", "4096", "--type", "q8_0", "--seed", "1", "-o", (char *)path, NULL,
-    };
-    fprintf(stderr, "bench_ocl: creating %s with %s gguf synth ...\n", path, kvasir);
-    pid_t pid;
-    int rc = posix_spawn(&pid, kvasir, NULL, NULL, argv, environ);
-    if (rc) {
-        fprintf(stderr, "bench_ocl: cannot run %s: %s\n", kvasir, strerror(rc));
-        return -1;
-    }
-    int st = 0;
-    while (waitpid(pid, &st, 0) < 0)
-        if (errno != EINTR) return -1;
-    return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
-}
 
 /* Bytes of weights one decode token reads (as bench_engine counts them). */
 static uint64_t decode_weight_bytes(const struct kvs_gguf *g)
@@ -170,17 +151,9 @@ int main(int argc, char **argv)
         }
     }
     struct stat st;
-    if (stat(model_path, &st) != 0) {
-        if (!kvasir) {
-            char tmp[PATH_MAX];
-            ssize_t n = readlink("/proc/self/exe", tmp, sizeof tmp - 1);
-            if (n <= 0) return 2;
-            tmp[n] = '\0';
-            snprintf(self_kvasir, sizeof self_kvasir, "%s/kvasir", dirname(tmp));
-            kvasir = self_kvasir;
-        }
-        if (make_model(kvasir, model_path)) return 2;
-    }
+    if (stat(model_path, &st) != 0 && (!(kvasir = kvs_bench_kvasir(kvasir, self_kvasir, sizeof self_kvasir)) ||
+                                       kvs_bench_model("bench_ocl", kvasir, model_path, "q8_0")))
+        return 2;
     char err[4096] = "";
     struct kvs_gguf *g = NULL;
     kvs_err e = kvs_gguf_open(model_path, &g, err, sizeof err);

@@ -56,6 +56,7 @@
 #include <unistd.h>
 
 #include "bench_util.h"
+#include "lib/bench_ring4.h"
 #include "gguf/gguf.h"
 #include "link/link.h"
 #include "model/model.h"
@@ -65,43 +66,12 @@
 
 extern char **environ;
 
-#define MODEL_A "/tmp/kvasir-qwen3-0.6b-q8_0.gguf"
-#define MODEL_B "/tmp/kvasir-bench-qwen3-0.6b-q8_0.gguf"
 #define N_STAGES 4
 #define N_CONC 8
 #define N_PROMPT 8
 #define N_CTX 256
 #define TARGET_RING_RATIO 0.9
 #define TARGET_CONC_RATIO 2.5
-
-static int spawn_wait(char *const argv[])
-{
-    pid_t pid;
-    int rc = posix_spawn(&pid, argv[0], NULL, NULL, argv, environ);
-    if (rc) {
-        fprintf(stderr, "bench_ring: cannot run %s: %s\n", argv[0], strerror(rc));
-        return -1;
-    }
-    int st = 0;
-    while (waitpid(pid, &st, 0) < 0)
-        if (errno != EINTR) return -1;
-    return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
-}
-
-static int make_model(const char *kvasir, const char *path)
-{
-    char *const argv[] = {
-        (char *)kvasir, "gguf", "synth", "--arch", "qwen3", "--n-embd", "1024", "--n-block", "28",
-        "--n-head", "16", "--n-head-kv", "8", "--head-dim", "128", "--n-ff", "3072", "--n-vocab", "151936",
-        "--tied", "--type", "q8_0", "--seed", "1", "-o", (char *)path, NULL,
-    };
-    fprintf(stderr, "bench_ring: creating %s with %s gguf synth ...\n", path, kvasir);
-    if (spawn_wait(argv)) {
-        fprintf(stderr, "bench_ring: gguf synth failed\n");
-        return -1;
-    }
-    return 0;
-}
 
 static int32_t argmax(const float *x, int32_t n)
 {
@@ -288,7 +258,7 @@ int main(int argc, char **argv)
     bool insecure = false;
     const char *kvasir = getenv("KVASIR_BIN");
     int n_threads = 2, n_tok = 40;
-    char self_dir[PATH_MAX], kvasir_buf[PATH_MAX + 16];
+    char kvasir_buf[PATH_MAX + 16];
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--insecure")) insecure = true;
         else if (!strcmp(argv[i], "--model") && i + 1 < argc) model_path = argv[++i];
@@ -323,19 +293,12 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    if (!kvasir) {
-        ssize_t k = readlink("/proc/self/exe", self_dir, sizeof self_dir - 1);
-        if (k <= 0) {
-            fprintf(stderr, "bench_ring: cannot locate myself; give --kvasir\n");
-            return 2;
-        }
-        self_dir[k] = 0;
-        snprintf(kvasir_buf, sizeof kvasir_buf, "%s/kvasir", dirname(self_dir));
-        kvasir = kvasir_buf;
+    if (!(kvasir = kvs_bench_kvasir(kvasir, kvasir_buf, sizeof kvasir_buf))) {
+        fprintf(stderr, "bench_ring: cannot locate myself; give --kvasir\n");
+        return 2;
     }
-    struct stat st;
-    if (!model_path) model_path = stat(MODEL_A, &st) != 0 && stat(MODEL_B, &st) == 0 ? MODEL_B : MODEL_A;
-    if (stat(model_path, &st) != 0 && make_model(kvasir, model_path) != 0) return 2;
+    if (!model_path) model_path = KVS_BENCH_QWEN3_Q8_0;
+    if (kvs_bench_model("bench_ring", kvasir, model_path, "q8_0")) return 2;
 
     char eb[512];
     struct kvs_gguf *g = NULL;
