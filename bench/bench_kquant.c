@@ -4,21 +4,30 @@
  * synth`, kept in /tmp and reused) at the types people download: Q4_K_M,
  * Q5_K_M, Q6_K and Q8_0.
  *
- * Per type: decode tok/s (64 greedy steps after an 8-token prompt, best of
- * 3), prefill tok/s (one 128-token prompt, logits of the last token, best of
- * 3), the weight bandwidth the decode reaches (bytes of weights a decode
- * token reads / time per token) and its ratio to this machine's read
- * bandwidth, measured in the same run right before and after that type's
- * runs (2 threads summing a 512 MiB buffer; the better of the two, as the
- * machine may be shared), the CPU time decode used per wall second, and the
- * model's load time and resident memory. The load average (/proc/loadavg) is
- * printed with the figures. Targets (issue 17): Q4_K_M decode >= 75% of the
- * read bandwidth and prefill >= 140 tok/s; Q5_K_M and Q6_K decode >= 70%.
+ * All types are loaded first; then every round runs each type in turn: a
+ * decode (64 greedy steps after an 8-token prompt) with one pass of a
+ * read-bandwidth probe before every 8 steps and after the last, then a
+ * prefill (one 128-token prompt, logits of the last token). The probe is
+ * this machine's multi-threaded read bandwidth as a decode meets it: the
+ * same number of threads summing their shares of one 512 MiB buffer (16x the
+ * last-level cache here, like a decode's ~400-630 MB of weights), allocated
+ * once. Per round the decode's weight bandwidth (bytes of weights a decode
+ * token reads / time per token, decode steps only) is divided by the
+ * probe's GB/s over the passes interleaved with it: on a shared machine
+ * whose bandwidth swings within a run, only such paired ratios are
+ * comparable. Printed per type: medians over rounds of decode tok/s, weight
+ * GB/s, probe GB/s, ratio (and its min-max), the CPU time decode used per
+ * wall second, prefill tok/s; and the model's load time and resident
+ * memory. The load average (/proc/loadavg) is printed with the figures.
+ * Targets (issue 17, on the median ratio / prefill): Q4_K_M decode >= 75%
+ * of the read bandwidth and prefill >= 140 tok/s; Q5_K_M and Q6_K decode
+ * >= 70%.
  * The last lines are machine-readable:
  *   RESULT type=.. decode_tps=.. prefill_tps=.. weight_gbps=.. read_gbps=.. ratio=..
  *
- * usage: bench_kquant [--types q4_k_m,q5_k_m,q6_k,q8_0] [--kvasir PATH] [--threads N] [--dir DIR]
+ * usage: bench_kquant [--types q4_k_m,q5_k_m,q6_k,q8_0] [--kvasir PATH] [--threads N] [--rounds N] [--dir DIR]
  *   --types   which of the four to run (comma-separated; default all)
+ *   --rounds  interleaved rounds (1..32, default 5)
  *   --kvasir  the kvasir binary that creates the models (default: next to
  *             this program, or $KVASIR_BIN)
  *   --threads compute threads (default 2)
@@ -47,7 +56,8 @@ extern char **environ;
 #define N_PROMPT_DECODE 8
 #define N_DECODE 64
 #define N_PREFILL 128
-#define N_REPS 3
+#define MAX_ROUNDS 32
+#define DECODE_CHUNK 8 /* decode steps between two probe passes */
 #define READ_BUF_BYTES ((size_t)512 << 20)
 
 struct kq_type {
@@ -148,106 +158,158 @@ static int32_t argmax(const float *x, int32_t n)
     return b;
 }
 
-struct kq_result {
-    double decode_tps, prefill_tps, weight_gbps, read_gbps, cpu_per_wall, load_s, rss_mb, wbytes;
+/* One loaded model and its per-round figures. */
+struct kq_model {
+    struct kvs_gguf *g;
+    struct kvs_model *m;
+    float *logits;
+    int32_t n_vocab;
+    double wbytes, load_s, rss_mb;
+    double decode_tps[MAX_ROUNDS], prefill_tps[MAX_ROUNDS], weight_gbps[MAX_ROUNDS], read_gbps[MAX_ROUNDS],
+        ratio[MAX_ROUNDS], cpu_per_wall[MAX_ROUNDS];
 };
 
-/* Loads `path` and measures it; returns 0 or 2 on error. */
-static int run_type(const char *path, int n_threads, struct kq_result *res)
+static int32_t tok_buf[N_PREFILL], pos_buf[N_PREFILL], seq_buf[N_PREFILL];
+
+/* Opens and loads `path` and faults its weights in with one prefill;
+ * returns 0 or 2 on error. */
+static int load_type(const char *path, int n_threads, struct kq_model *q)
 {
     char eb[512];
-    struct kvs_gguf *g = NULL;
-    kvs_err e = kvs_gguf_open(path, &g, eb, sizeof eb);
+    kvs_err e = kvs_gguf_open(path, &q->g, eb, sizeof eb);
     if (e) {
         fprintf(stderr, "bench_kquant: %s: %s (%s)\n", path, kvs_strerror(e), eb);
         return 2;
     }
-    double read_gbps = kvs_bench_read_gbps(READ_BUF_BYTES, n_threads, 3);
     struct kvs_model_params mp = kvs_model_default_params();
     mp.n_threads = n_threads;
     mp.n_ctx = 256;
     mp.n_batch = N_PREFILL;
-    struct kvs_model *m = NULL;
     double rss0 = rss_mb(), t0 = kvs_bench_now();
-    if ((e = kvs_model_load(g, &mp, &m, eb, sizeof eb))) {
+    if ((e = kvs_model_load(q->g, &mp, &q->m, eb, sizeof eb))) {
         fprintf(stderr, "bench_kquant: loading %s: %s (%s)\n", path, kvs_strerror(e), eb);
-        kvs_gguf_close(g);
         return 2;
     }
-    res->load_s = kvs_bench_now() - t0;
-    const int32_t n_vocab = (int32_t)kvs_model_hparams(m)->n_vocab;
-    float *logits = malloc((size_t)n_vocab * N_PREFILL * sizeof *logits);
-    int32_t tok[N_PREFILL], pos[N_PREFILL], seq[N_PREFILL];
-    if (!logits) {
+    q->load_s = kvs_bench_now() - t0;
+    q->n_vocab = (int32_t)kvs_model_hparams(q->m)->n_vocab;
+    if (!(q->logits = malloc((size_t)q->n_vocab * N_PREFILL * sizeof *q->logits))) {
         fprintf(stderr, "bench_kquant: out of memory\n");
         return 2;
     }
-    for (int i = 0; i < N_PREFILL; i++) {
-        tok[i] = (int32_t)((i * 7919 + 13) % n_vocab);
-        pos[i] = i;
-        seq[i] = 0;
-    }
-    /* warm-up: faults the mapping in */
-    struct kvs_batch b = {.n_tokens = N_PREFILL, .token = tok, .seq = seq, .pos = pos};
-    if ((e = kvs_model_forward(m, &b, logits))) {
+    struct kvs_batch b = {.n_tokens = N_PREFILL, .token = tok_buf, .seq = seq_buf, .pos = pos_buf};
+    if ((e = kvs_model_forward(q->m, &b, q->logits))) {
         fprintf(stderr, "bench_kquant: forward: %s\n", kvs_strerror(e));
         return 2;
     }
-    res->rss_mb = rss_mb() - rss0;
-    double best_prefill = 1e30;
-    for (int r = 0; r < N_REPS; r++) {
-        kvs_model_seq_clear(m, 0);
-        double p0 = kvs_bench_now();
-        e = kvs_model_forward(m, &b, logits);
-        double dt = kvs_bench_now() - p0;
-        if (e) {
-            fprintf(stderr, "bench_kquant: prefill: %s\n", kvs_strerror(e));
-            return 2;
-        }
-        best_prefill = dt < best_prefill ? dt : best_prefill;
-    }
-    double best_decode = 1e30, best_cpu = 0.0;
-    for (int r = 0; r < N_REPS; r++) {
-        kvs_model_seq_clear(m, 0);
-        struct kvs_batch pb = {.n_tokens = N_PROMPT_DECODE, .token = tok, .seq = seq, .pos = pos};
-        if ((e = kvs_model_forward(m, &pb, logits))) {
-            fprintf(stderr, "bench_kquant: prompt: %s\n", kvs_strerror(e));
-            return 2;
-        }
-        int32_t t = argmax(logits, n_vocab);
-        double d0 = kvs_bench_now(), c0 = cpu_now();
-        for (int s = 0; s < N_DECODE; s++) {
-            int32_t p = N_PROMPT_DECODE + s, z = 0;
-            struct kvs_batch db = {.n_tokens = 1, .token = &t, .seq = &z, .pos = &p};
-            if ((e = kvs_model_forward(m, &db, logits))) {
-                fprintf(stderr, "bench_kquant: decode step %d: %s\n", s, kvs_strerror(e));
-                return 2;
-            }
-            t = argmax(logits, n_vocab);
-        }
-        double dt = kvs_bench_now() - d0, dc = cpu_now() - c0;
-        if (dt < best_decode) {
-            best_decode = dt;
-            best_cpu = dc;
-        }
-    }
-    double after = kvs_bench_read_gbps(READ_BUF_BYTES, n_threads, 3);
-    res->read_gbps = after > read_gbps ? after : read_gbps;
-    res->wbytes = (double)decode_weight_bytes(g);
-    res->decode_tps = N_DECODE / best_decode;
-    res->prefill_tps = N_PREFILL / best_prefill;
-    res->weight_gbps = res->wbytes * res->decode_tps * 1e-9;
-    res->cpu_per_wall = best_cpu / best_decode;
-    free(logits);
-    kvs_model_free(m);
-    kvs_gguf_close(g);
+    q->rss_mb = rss_mb() - rss0;
+    q->wbytes = (double)decode_weight_bytes(q->g);
     return 0;
+}
+
+/* Decode of N_DECODE tokens after an N_PROMPT_DECODE-token prompt, in
+ * chunks of DECODE_CHUNK steps with one probe pass before each chunk and
+ * one after the last, so that the probe samples the machine's bandwidth
+ * across the same stretch of time as the decode: wall and CPU seconds of the
+ * decode steps alone and the probe's GB/s (bytes of all passes / their
+ * time); 0 or 2 on error. */
+static int run_decode(struct kq_model *q, const struct kvs_bench_probe *probe, double *wall, double *cpu,
+                      double *probe_gbps)
+{
+    kvs_err e;
+    kvs_model_seq_clear(q->m, 0);
+    struct kvs_batch pb = {.n_tokens = N_PROMPT_DECODE, .token = tok_buf, .seq = seq_buf, .pos = pos_buf};
+    if ((e = kvs_model_forward(q->m, &pb, q->logits))) {
+        fprintf(stderr, "bench_kquant: prompt: %s\n", kvs_strerror(e));
+        return 2;
+    }
+    int32_t t = argmax(q->logits, q->n_vocab);
+    double dw = 0.0, dc = 0.0, pt = 0.0;
+    int passes = 0;
+    for (int s = 0; s <= N_DECODE; s++) {
+        if (s % DECODE_CHUNK == 0) {
+            double p0 = kvs_bench_now();
+            kvs_bench_probe_pass(probe);
+            pt += kvs_bench_now() - p0;
+            passes++;
+        }
+        if (s == N_DECODE)
+            break;
+        int32_t p = N_PROMPT_DECODE + s, z = 0;
+        struct kvs_batch db = {.n_tokens = 1, .token = &t, .seq = &z, .pos = &p};
+        double d0 = kvs_bench_now(), c0 = cpu_now();
+        if ((e = kvs_model_forward(q->m, &db, q->logits))) {
+            fprintf(stderr, "bench_kquant: decode step %d: %s\n", s, kvs_strerror(e));
+            return 2;
+        }
+        t = argmax(q->logits, q->n_vocab);
+        dw += kvs_bench_now() - d0;
+        dc += cpu_now() - c0;
+    }
+    *wall = dw;
+    *cpu = dc;
+    *probe_gbps = (double)passes * (double)(probe->words * 8) / pt * 1e-9;
+    return 0;
+}
+
+/* One N_PREFILL-token prompt: wall seconds; 0 or 2 on error. */
+static int run_prefill(struct kq_model *q, double *wall)
+{
+    kvs_model_seq_clear(q->m, 0);
+    struct kvs_batch b = {.n_tokens = N_PREFILL, .token = tok_buf, .seq = seq_buf, .pos = pos_buf};
+    double p0 = kvs_bench_now();
+    kvs_err e = kvs_model_forward(q->m, &b, q->logits);
+    *wall = kvs_bench_now() - p0;
+    if (e) {
+        fprintf(stderr, "bench_kquant: prefill: %s\n", kvs_strerror(e));
+        return 2;
+    }
+    return 0;
+}
+
+/* Round r of type q: decode interleaved with probe passes, then prefill.
+ * The decode's ratio is its weight GB/s over the probe's of the same
+ * stretch. */
+static int run_round(struct kq_model *q, const struct kvs_bench_probe *probe, int r)
+{
+    double dw, dc, pw, bw;
+    if (run_decode(q, probe, &dw, &dc, &bw) || run_prefill(q, &pw))
+        return 2;
+    q->decode_tps[r] = N_DECODE / dw;
+    q->weight_gbps[r] = q->wbytes * q->decode_tps[r] * 1e-9;
+    q->read_gbps[r] = bw;
+    q->ratio[r] = bw > 0 ? q->weight_gbps[r] / bw : 0.0;
+    q->cpu_per_wall[r] = dc / dw;
+    q->prefill_tps[r] = N_PREFILL / pw;
+    return 0;
+}
+
+static double median_of(const double *v, int n)
+{
+    double c[MAX_ROUNDS];
+    memcpy(c, v, (size_t)n * sizeof *c);
+    return kvs_bench_median(c, n);
+}
+
+static double min_of(const double *v, int n)
+{
+    double m = v[0];
+    for (int i = 1; i < n; i++)
+        m = v[i] < m ? v[i] : m;
+    return m;
+}
+
+static double max_of(const double *v, int n)
+{
+    double m = v[0];
+    for (int i = 1; i < n; i++)
+        m = v[i] > m ? v[i] : m;
+    return m;
 }
 
 int main(int argc, char **argv)
 {
     const char *kvasir = getenv("KVASIR_BIN"), *dir = "/tmp", *types = "q4_k_m,q5_k_m,q6_k,q8_0";
-    int n_threads = 2;
+    int n_threads = 2, n_rounds = 5;
     char self_dir[PATH_MAX], kvasir_buf[PATH_MAX + 16];
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--kvasir") && i + 1 < argc)
@@ -256,17 +318,18 @@ int main(int argc, char **argv)
             dir = argv[++i];
         else if (!strcmp(argv[i], "--types") && i + 1 < argc)
             types = argv[++i];
-        else if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
+        else if ((!strcmp(argv[i], "--threads") || !strcmp(argv[i], "--rounds")) && i + 1 < argc) {
+            const bool thr = !strcmp(argv[i], "--threads");
             char *end;
             long v = strtol(argv[++i], &end, 10);
-            if (*end || v < 1 || v > 256) {
-                fprintf(stderr, "bench_kquant: --threads: expected 1..256\n");
+            if (*end || v < 1 || v > (thr ? 64 : MAX_ROUNDS)) {
+                fprintf(stderr, "bench_kquant: %s: expected 1..%d\n", argv[i - 1], thr ? 64 : MAX_ROUNDS);
                 return 2;
             }
-            n_threads = (int)v;
+            *(thr ? &n_threads : &n_rounds) = (int)v;
         } else {
             fprintf(stderr, "usage: bench_kquant [--types q4_k_m,q5_k_m,q6_k,q8_0] [--kvasir PATH] [--threads N] "
-                            "[--dir DIR]\n");
+                            "[--rounds N] [--dir DIR]\n");
             return 2;
         }
     }
@@ -293,14 +356,12 @@ int main(int argc, char **argv)
         }
         p += len + (p[len] == ',');
     }
-    char la[128];
-    load_avg(la, sizeof la);
-    printf("bench_kquant: Qwen3-0.6B shape, %d threads, kernels %s, load average before: %s\n", n_threads,
-           kvs_isa_name(kvs_kernels_isa(kvs_kernels_best())), la);
-    printf("%-7s %8s %9s %10s %9s %9s %7s %8s %7s %7s  %s\n", "type", "MB/tok", "decode", "weights", "read",
-           "ratio", "cpu/s", "prefill", "load s", "RSS MB", "targets");
-    struct kq_result res[N_TYPES];
-    bool all_ok = true;
+    static struct kq_model mods[N_TYPES];
+    for (int i = 0; i < N_PREFILL; i++) {
+        tok_buf[i] = (int32_t)((i * 7919 + 13) % 151936);
+        pos_buf[i] = i;
+        seq_buf[i] = 0;
+    }
     for (size_t i = 0; i < N_TYPES; i++) {
         if (!want[i])
             continue;
@@ -309,10 +370,33 @@ int main(int argc, char **argv)
         struct stat st;
         if (stat(path, &st) != 0 && make_model(kvasir, path, TYPES[i].name) != 0)
             return 2;
-        if (run_type(path, n_threads, &res[i]) != 0)
+        if (load_type(path, n_threads, &mods[i]) != 0)
             return 2;
-        const struct kq_result *r = &res[i];
-        double ratio = r->read_gbps > 0 ? r->weight_gbps / r->read_gbps : 0.0;
+    }
+    struct kvs_bench_probe probe;
+    if (kvs_bench_probe_init(&probe, READ_BUF_BYTES, n_threads) != 0) {
+        fprintf(stderr, "bench_kquant: cannot allocate the %zu MiB probe buffer\n", READ_BUF_BYTES >> 20);
+        return 2;
+    }
+    char la[128];
+    load_avg(la, sizeof la);
+    printf("bench_kquant: Qwen3-0.6B shape, %d threads, kernels %s, %d rounds, load average before: %s\n", n_threads,
+           kvs_isa_name(kvs_kernels_isa(kvs_kernels_best())), n_rounds, la);
+    fflush(stdout);
+    for (int r = 0; r < n_rounds; r++)
+        for (size_t i = 0; i < N_TYPES; i++)
+            if (want[i] && run_round(&mods[i], &probe, r) != 0)
+                return 2;
+    kvs_bench_probe_free(&probe);
+    load_avg(la, sizeof la);
+    printf("%-7s %7s %9s %10s %10s %6s %11s %6s %8s %6s %6s  %s\n", "type", "MB/tok", "decode", "weights", "probe",
+           "ratio", "ratio range", "cpu/s", "prefill", "load s", "RSS MB", "targets");
+    bool all_ok = true;
+    for (size_t i = 0; i < N_TYPES; i++) {
+        if (!want[i])
+            continue;
+        const struct kq_model *q = &mods[i];
+        const double ratio = median_of(q->ratio, n_rounds), prefill = median_of(q->prefill_tps, n_rounds);
         char tg[128] = "";
         size_t o = 0;
         if (TYPES[i].target_ratio > 0) {
@@ -322,26 +406,39 @@ int main(int argc, char **argv)
                                   ok ? "PASS" : "FAIL");
         }
         if (TYPES[i].target_prefill > 0) {
-            bool ok = r->prefill_tps >= TYPES[i].target_prefill;
+            bool ok = prefill >= TYPES[i].target_prefill;
             all_ok &= ok;
             snprintf(tg + o, sizeof tg - o, "; prefill >= %.0f: %s", TYPES[i].target_prefill, ok ? "PASS" : "FAIL");
         }
-        printf("%-7s %8.1f %5.1f t/s %5.2f GB/s %5.2f GB/s %8.0f%% %7.2f %4.0f t/s %7.2f %7.0f  %s\n", TYPES[i].name,
-               r->wbytes * 1e-6, r->decode_tps, r->weight_gbps, r->read_gbps, 100 * ratio, r->cpu_per_wall,
-               r->prefill_tps, r->load_s, r->rss_mb, tg[0] ? tg : "(baseline, no target)");
-        fflush(stdout);
+        printf("%-7s %7.1f %5.1f t/s %5.2f GB/s %5.2f GB/s %5.0f%% %4.0f-%3.0f%% %6.2f %4.0f t/s %6.2f %6.0f  %s\n",
+               TYPES[i].name, q->wbytes * 1e-6, median_of(q->decode_tps, n_rounds), median_of(q->weight_gbps, n_rounds),
+               median_of(q->read_gbps, n_rounds), 100 * ratio, 100 * min_of(q->ratio, n_rounds),
+               100 * max_of(q->ratio, n_rounds), median_of(q->cpu_per_wall, n_rounds), prefill, q->load_s, q->rss_mb,
+               tg[0] ? tg : "(baseline, no target)");
     }
-    load_avg(la, sizeof la);
     printf("load average after: %s\n", la);
-    printf("(decode: %d steps after a %d-token prompt, best of %d; prefill: one %d-token prompt, best of %d;\n"
-           " weights = MB/tok x decode tok/s; read = the machine's read bandwidth measured before and after\n"
-           " each type's runs; ratio = weights / read; cpu/s = CPU-s per wall-s in decode (< threads: shared\n"
-           " machine); RSS = resident growth from load through the first prefill)\n",
-           N_DECODE, N_PROMPT_DECODE, N_REPS, N_PREFILL, N_REPS);
-    for (size_t i = 0; i < N_TYPES; i++)
-        if (want[i])
-            printf("RESULT type=%s decode_tps=%.2f prefill_tps=%.2f weight_gbps=%.2f read_gbps=%.2f ratio=%.3f\n",
-                   TYPES[i].name, res[i].decode_tps, res[i].prefill_tps, res[i].weight_gbps, res[i].read_gbps,
-                   res[i].read_gbps > 0 ? res[i].weight_gbps / res[i].read_gbps : 0.0);
+    printf("(%d rounds; each round runs every type in turn: decode, then prefill. decode: %d steps after\n"
+           " a %d-token prompt, one probe pass before every %d steps and after the last; prefill: one\n"
+           " %d-token prompt; weights = MB/tok x decode tok/s (decode steps' time only); probe = %d threads\n"
+           " summing a %zu MiB buffer, bytes / time of that decode's passes; ratio = weights / probe of the\n"
+           " same decode; every column is the median over rounds, ratio range its min-max; cpu/s = CPU-s\n"
+           " per wall-s in decode (< threads: shared machine); RSS = resident growth from load through the\n"
+           " first prefill)\n",
+           n_rounds, N_DECODE, N_PROMPT_DECODE, DECODE_CHUNK, N_PREFILL, n_threads, READ_BUF_BYTES >> 20);
+    for (size_t i = 0; i < N_TYPES; i++) {
+        if (!want[i])
+            continue;
+        const struct kq_model *q = &mods[i];
+        printf("RESULT type=%s decode_tps=%.2f prefill_tps=%.2f weight_gbps=%.2f read_gbps=%.2f ratio=%.3f\n",
+               TYPES[i].name, median_of(q->decode_tps, n_rounds), median_of(q->prefill_tps, n_rounds),
+               median_of(q->weight_gbps, n_rounds), median_of(q->read_gbps, n_rounds), median_of(q->ratio, n_rounds));
+    }
+    for (size_t i = 0; i < N_TYPES; i++) {
+        if (!want[i])
+            continue;
+        free(mods[i].logits);
+        kvs_model_free(mods[i].m);
+        kvs_gguf_close(mods[i].g);
+    }
     return all_ok ? 0 : 1;
 }

@@ -83,44 +83,91 @@ static inline void *kvs_bench_bw_worker(void *arg)
     return NULL;
 }
 
+/* A read-bandwidth probe with its buffer allocated and written once, so that
+ * it can be run many times between other measurements (interleaved rounds)
+ * at the cost of the passes alone. */
+struct kvs_bench_probe {
+    uint64_t *buf;
+    size_t words;
+    int n_threads;
+};
+
+/* Allocates and fills a `bytes` buffer (choose it far above the last-level
+ * cache, e.g. 512 MiB) for n_threads threads (1..64). Returns 0, or -1 on bad
+ * arguments or allocation failure (then p->buf is NULL). Free with
+ * kvs_bench_probe_free. */
+static inline int kvs_bench_probe_init(struct kvs_bench_probe *p, size_t bytes, int n_threads)
+{
+    p->buf = NULL;
+    p->words = bytes / 8;
+    p->n_threads = n_threads;
+    if (n_threads < 1 || n_threads > 64 || bytes < 64 * (size_t)n_threads)
+        return -1;
+    if (!(p->buf = malloc(p->words * 8)))
+        return -1;
+    for (size_t i = 0; i < p->words; i++)
+        p->buf[i] = i;
+    return 0;
+}
+
+static inline void kvs_bench_probe_free(struct kvs_bench_probe *p)
+{
+    free(p->buf);
+    p->buf = NULL;
+}
+
+/* One pass: n_threads threads at once (the caller is thread 0) each sum
+ * their contiguous share of the buffer; returns GB/s (1e9 bytes/s) of the
+ * whole buffer over the pass's wall time, thread start and join included. */
+static inline double kvs_bench_probe_pass(const struct kvs_bench_probe *p)
+{
+    struct kvs_bench_bw_part parts[64];
+    pthread_t th[64];
+    static volatile uint64_t sink;
+    const size_t words = p->words, nt = (size_t)p->n_threads;
+    double t0 = kvs_bench_now();
+    for (size_t t = 0; t < nt; t++) {
+        size_t a = words * t / nt, b = words * (t + 1) / nt;
+        parts[t] = (struct kvs_bench_bw_part){.p = p->buf + a, .n = b - a};
+        if (t > 0)
+            pthread_create(&th[t], NULL, kvs_bench_bw_worker, &parts[t]);
+    }
+    kvs_bench_bw_worker(&parts[0]);
+    for (size_t t = 1; t < nt; t++)
+        pthread_join(th[t], NULL);
+    double dt = kvs_bench_now() - t0;
+    for (size_t t = 0; t < nt; t++)
+        sink += parts[t].sum;
+    return (double)(words * 8) / dt / 1e9;
+}
+
+/* Median GB/s of `passes` (1..64) passes. */
+static inline double kvs_bench_probe_median(const struct kvs_bench_probe *p, int passes)
+{
+    double v[64];
+    if (passes < 1 || passes > 64)
+        return 0.0;
+    for (int i = 0; i < passes; i++)
+        v[i] = kvs_bench_probe_pass(p);
+    return kvs_bench_median(v, passes);
+}
+
 /* Memory read bandwidth in GB/s (1e9 bytes/s): n_threads threads (1..64)
  * each sum their contiguous share of a `bytes` buffer (e.g. 1 GiB, well above
  * the last-level cache); best of `reps` passes after one warm-up pass.
  * Returns 0 on allocation failure. */
 static inline double kvs_bench_read_gbps(size_t bytes, int n_threads, int reps)
 {
-    if (n_threads < 1 || n_threads > 64 || bytes < 64 * (size_t)n_threads)
+    struct kvs_bench_probe p;
+    if (kvs_bench_probe_init(&p, bytes, n_threads) != 0)
         return 0.0;
-    size_t words = bytes / 8;
-    uint64_t *buf = malloc(words * 8);
-    if (!buf)
-        return 0.0;
-    for (size_t i = 0; i < words; i++)
-        buf[i] = i;
-    struct kvs_bench_bw_part parts[64];
-    pthread_t th[64];
     double best = 0.0;
-    volatile uint64_t sink = 0;
     for (int r = 0; r <= reps; r++) {
-        double t0 = kvs_bench_now();
-        for (int t = 0; t < n_threads; t++) {
-            size_t a = words * (size_t)t / (size_t)n_threads, b = words * (size_t)(t + 1) / (size_t)n_threads;
-            parts[t] = (struct kvs_bench_bw_part){.p = buf + a, .n = b - a};
-            if (t > 0)
-                pthread_create(&th[t], NULL, kvs_bench_bw_worker, &parts[t]);
-        }
-        kvs_bench_bw_worker(&parts[0]);
-        for (int t = 1; t < n_threads; t++)
-            pthread_join(th[t], NULL);
-        double dt = kvs_bench_now() - t0;
-        for (int t = 0; t < n_threads; t++)
-            sink += parts[t].sum;
-        double gbs = (double)(words * 8) / dt / 1e9;
+        double gbs = kvs_bench_probe_pass(&p);
         if (r > 0 && gbs > best)
             best = gbs;
     }
-    (void)sink;
-    free(buf);
+    kvs_bench_probe_free(&p);
     return best;
 }
 
