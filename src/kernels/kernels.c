@@ -133,7 +133,9 @@ const struct kvs_kernels *kvs_kernels_get(enum kvs_isa isa)
     case KVS_ISA_SCALAR: return &kvs_kernels_scalar;
 #if defined(__x86_64__) || defined(_M_X64)
     case KVS_ISA_AVX2: return &kvs_kernels_avx2;
-    case KVS_ISA_AVX512: return &kvs_kernels_avx512;
+    case KVS_ISA_AVX512:
+        /* BF16 dots as ggml built for this CPU: VDPBF16PS where it exists */
+        return __builtin_cpu_supports("avx512bf16") ? &kvs_kernels_avx512_bf16 : &kvs_kernels_avx512;
 #endif
 #if defined(__aarch64__) && defined(__ARM_NEON)
     case KVS_ISA_NEON: return &kvs_kernels_neon;

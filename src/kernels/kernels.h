@@ -103,6 +103,10 @@ struct kvs_matrix {
      * GEMM for it (same results bit for bit); data stays the reference and
      * must remain readable (it serves other ISAs and unaligned row ranges). */
     const void *packed;
+    /* True for an expert's slice of a 3-D expert tensor: llama.cpp's
+     * mul_mat_id sums every token with its decode dot, so kvs_matmul never
+     * uses the prompt GEMM's summation (kvs_kernels dot_gemm) for it. */
+    bool expert;
 };
 
 /* Bytes of W's packed layout (0: the type has none, or W's shape does not

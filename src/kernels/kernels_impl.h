@@ -74,6 +74,13 @@ struct kvs_kernels {
     kvs_quant_act_fn quant_act[KVS_TYPE_COUNT];
     kvs_dot_fn dot[KVS_TYPE_COUNT];
     kvs_dot4_fn dot4[KVS_TYPE_COUNT];
+    /* Float weights (F16, BF16): the dot as llama.cpp's prompt GEMM (its
+     * tinyBLAS, which ggml runs for a matmul of 2+ tokens whose weight has a
+     * multiple of 4 rows) sums it: one vector accumulator per output over
+     * the whole row, then a horizontal add, in F32; each falls back to dot
+     * where n is not a multiple of its vector width (as tinyBLAS declines
+     * then). NULL: prompts sum as dot does (matmul then uses dot). */
+    kvs_dot_fn dot_gemm[KVS_TYPE_COUNT];
     kvs_pack_act_fn pack_act[KVS_TYPE_COUNT];
     kvs_gemm_fn gemm[KVS_TYPE_COUNT];
     /* The same GEMM over packed weights (kvs_matrix_pack): w is the packed
@@ -216,6 +223,7 @@ extern const struct kvs_kernels kvs_kernels_scalar;
 #if defined(__x86_64__) || defined(_M_X64)
 extern const struct kvs_kernels kvs_kernels_avx2;
 extern const struct kvs_kernels kvs_kernels_avx512;
+extern const struct kvs_kernels kvs_kernels_avx512_bf16; /* the same + AVX512-BF16 */
 #endif
 #if defined(__aarch64__) || defined(__ARM_NEON)
 extern const struct kvs_kernels kvs_kernels_neon;

@@ -212,6 +212,13 @@ static void kvs_mm_dot_task(void *ctx, int ith, int nth)
         return;
     kvs_dot_fn dot = j->k->dot[W->type];
     kvs_dot4_fn dot4 = j->k->dot4[W->type];
+    /* ggml's prompt GEMM (n_tok >= 2, a multiple of 4 weight rows) sums
+     * float weights in its own order; the decode and expert matmuls use
+     * its vec_dot (kvs_kernels dot_gemm). */
+    if (T > 1 && j->k->dot_gemm[W->type] && !W->expert && W->ne1 % 4 == 0) {
+        dot = j->k->dot_gemm[W->type];
+        dot4 = NULL;
+    }
     const char *wbase = (const char *)W->data + (size_t)j->row_begin * W->row_bytes;
     const char *act = j->act;
     if (T == 1) {

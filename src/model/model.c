@@ -120,6 +120,7 @@ static kvs_err make_matrix(struct kvs_model_loader *L, const struct kvs_gguf_ten
     out->ne1 = ne1;
     out->row_bytes = rb;
     out->data = t->data;
+    out->expert = false;
     return KVS_OK;
 }
 
@@ -138,6 +139,7 @@ kvs_err kvs_model__exps(struct kvs_model_loader *L, const char *name, int64_t ne
     kvs_err e = find_tensor(L, name, ne0, ne1, nx, true, &t);
     if (e) return e;
     if ((e = make_matrix(L, t, ne0, ne1, out))) return e;
+    out->expert = true; /* summed as llama.cpp's mul_mat_id does (kvs_matrix) */
     *stride = out->row_bytes * (size_t)ne1;
     return KVS_OK;
 }

@@ -641,6 +641,194 @@ static void test_pool(void **state)
     kvs_pool_destroy(NULL);
 }
 
+/* --- F16 / BF16 weights: llama.cpp's summation orders ------------------------
+ * Scalar models of how ggml's CPU backend sums these dots (its vec_dot for
+ * decode and flash attention, tinyBLAS for a prompt GEMM), written out lane
+ * by lane; every SIMD table must equal them bit for bit, since F16/BF16
+ * activation roundings downstream turn one-ulp differences into visible
+ * ones (qwen35-mixed). Values are drawn so that no product or partial sum
+ * is denormal (VDPBF16PS flushes those). */
+
+static float emu_w(enum kvs_type t, uint16_t v)
+{
+    return t == KVS_TYPE_F16 ? kvs_f16_to_f32(v) : kvs_bf16_to_f32(v);
+}
+
+/* Lanes v[0..L) summed as _mm512_reduce_add_ps (L 16) or the 256-bit
+ * horizontal add kvs_x86_hsum_ps / tinyBLAS's (L 8): halves folded, then
+ * quarters, then pairs. */
+static float emu_tree(const float *v, int L)
+{
+    float t[16];
+    memcpy(t, v, (size_t)L * sizeof(float));
+    for (int h = L / 2; h >= 1; h /= 2)
+        for (int j = 0; j < h; j++)
+            t[j] = t[j] + t[j + h];
+    return t[0];
+}
+
+/* G accumulators of L lanes over steps of G * L elements (FMA), folded
+ * (0+2) + (1+3) for G 4, or summed one by one in double for G 2
+ * (ggml's BF16 vec_dot); the tail in double. hadd: ggml's AVX2 F16
+ * reduction (pairwise adds within the 4 lanes after the halves). */
+static float emu_vec_dot(enum kvs_type t, const uint16_t *x, const uint16_t *y, int64_t n, int G, int L, bool hadd)
+{
+    float acc[4][16] = {{0}};
+    const int64_t step = (int64_t)G * L, np = n / step * step;
+    for (int64_t i = 0; i < np; i += step)
+        for (int g = 0; g < G; g++)
+            for (int l = 0; l < L; l++)
+                acc[g][l] = fmaf(emu_w(t, x[i + g * L + l]), emu_w(t, y[i + g * L + l]), acc[g][l]);
+    double s = 0.0;
+    if (G == 4) {
+        float v[16];
+        for (int l = 0; l < L; l++) v[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+        if (hadd) {
+            float q[4];
+            for (int j = 0; j < 4; j++) q[j] = v[j] + v[j + 4];
+            s = (double)((q[0] + q[1]) + (q[2] + q[3]));
+        } else if (np) {
+            s = (double)emu_tree(v, L);
+        }
+    } else {
+        for (int g = 0; g < G; g++) s += (double)emu_tree(acc[g], L);
+    }
+    for (int64_t i = np; i < n; i++) s += (double)(emu_w(t, x[i]) * emu_w(t, y[i]));
+    return (float)s;
+}
+
+/* VDPBF16PS lane: acc + x[1] y[1], then + x[0] y[0] (exact products, two
+ * F32 roundings). */
+static float emu_dp2(float acc, const uint16_t *x, const uint16_t *y)
+{
+    acc = acc + kvs_bf16_to_f32(x[1]) * kvs_bf16_to_f32(y[1]);
+    return acc + kvs_bf16_to_f32(x[0]) * kvs_bf16_to_f32(y[0]);
+}
+
+/* ggml's BF16 vec_dot with AVX512-BF16: two accumulators over 64-element
+ * steps; tinyBLAS (gemm): one over 32-element steps, reduced in F32. */
+static float emu_bf16_dp(const uint16_t *x, const uint16_t *y, int64_t n, bool gemm)
+{
+    float c[2][16] = {{0}};
+    const int64_t step = gemm ? 32 : 64, np = n / step * step;
+    for (int64_t i = 0; i < np; i += step)
+        for (int g = 0; g < (gemm ? 1 : 2); g++)
+            for (int j = 0; j < 16; j++)
+                c[g][j] = emu_dp2(c[g][j], x + i + 32 * g + 2 * j, y + i + 32 * g + 2 * j);
+    if (gemm)
+        return emu_tree(c[0], 16);
+    double s = (double)emu_tree(c[0], 16);
+    s += (double)emu_tree(c[1], 16);
+    for (int64_t i = np; i < n; i++) s += (double)(kvs_bf16_to_f32(x[i]) * kvs_bf16_to_f32(y[i]));
+    return (float)s;
+}
+
+/* tinyBLAS: one L-lane FMA accumulator, reduced in F32. */
+static float emu_gemm(enum kvs_type t, const uint16_t *x, const uint16_t *y, int64_t n, int L)
+{
+    float acc[16] = {0};
+    for (int64_t i = 0; i < n; i += L)
+        for (int l = 0; l < L; l++) acc[l] = fmaf(emu_w(t, x[i + l]), emu_w(t, y[i + l]), acc[l]);
+    return emu_tree(acc, L);
+}
+
+static void test_float_dot_orders(void **state)
+{
+    (void)state;
+    struct isa_case { const struct kvs_kernels *k; const char *name; int L; bool bf16dp; } isas[3];
+    int ni = 0;
+#if defined(__x86_64__) || defined(_M_X64)
+    if (kvs_kernels_get(KVS_ISA_AVX2))
+        isas[ni++] = (struct isa_case){ &kvs_kernels_avx2, "avx2", 8, false };
+    if (kvs_kernels_get(KVS_ISA_AVX512)) {
+        isas[ni++] = (struct isa_case){ &kvs_kernels_avx512, "avx512", 16, false };
+        /* the VDPBF16PS table only where the CPU has the instruction */
+        if (kvs_kernels_get(KVS_ISA_AVX512) == &kvs_kernels_avx512_bf16)
+            isas[ni++] = (struct isa_case){ &kvs_kernels_avx512_bf16, "avx512-bf16", 16, true };
+    }
+#endif
+    if (!ni)
+        skip(); /* no x86 SIMD table on this machine: nothing to compare */
+    static const int64_t ns[] = {8, 24, 32, 48, 64, 96, 256, 288, 1000, 1280};
+    static const enum kvs_type ts[] = {KVS_TYPE_F16, KVS_TYPE_BF16};
+    uint16_t x[1280], y[1280];
+    for (int rep = 0; rep < 4; rep++)
+        for (int ii = 0; ii < ni; ii++)
+            for (size_t ti = 0; ti < 2; ti++)
+                for (size_t nn = 0; nn < sizeof ns / sizeof ns[0]; nn++) {
+                    const enum kvs_type t = ts[ti];
+                    const int64_t n = ns[nn];
+                    for (int64_t i = 0; i < n; i++) {
+                        /* magnitudes 2^-4..2^4 of both signs: no denormals */
+                        float a = rndf(0.0625f, 16.0f) * (rnd() & 1 ? 1.0f : -1.0f);
+                        float b = rndf(0.0625f, 16.0f) * (rnd() & 1 ? 1.0f : -1.0f);
+                        x[i] = t == KVS_TYPE_F16 ? kvs_f32_to_f16(a) : kvs_f32_to_bf16(a);
+                        y[i] = t == KVS_TYPE_F16 ? kvs_f32_to_f16(b) : kvs_f32_to_bf16(b);
+                    }
+                    const struct kvs_kernels *k = isas[ii].k;
+                    const int L = isas[ii].L;
+                    float want_dot, want_gemm;
+                    if (t == KVS_TYPE_F16) {
+                        want_dot = emu_vec_dot(t, x, y, n, 4, L, L == 8);
+                    } else if (isas[ii].bf16dp) {
+                        want_dot = emu_bf16_dp(x, y, n, false);
+                    } else {
+                        want_dot = emu_vec_dot(t, x, y, n, L == 8 ? 4 : 2, L, false);
+                    }
+                    const int gl = isas[ii].bf16dp && t == KVS_TYPE_BF16 ? 32 : L;
+                    if (n % gl)
+                        want_gemm = want_dot;
+                    else if (isas[ii].bf16dp && t == KVS_TYPE_BF16)
+                        want_gemm = emu_bf16_dp(x, y, n, true);
+                    else
+                        want_gemm = emu_gemm(t, x, y, n, L);
+                    const float got_dot = k->dot[t](n, x, y), got_gemm = k->dot_gemm[t](n, x, y);
+                    if (memcmp(&got_dot, &want_dot, 4) || memcmp(&got_gemm, &want_gemm, 4)) {
+                        print_error("%s %s n=%lld: dot %.9g (want %.9g), gemm dot %.9g (want %.9g)\n",
+                                    isas[ii].name, kvs_type_name(t), (long long)n, got_dot, want_dot,
+                                    got_gemm, want_gemm);
+                        fail();
+                    }
+                }
+}
+
+/* kvs_matmul uses the prompt GEMM's dot only where ggml's mul_mat runs its
+ * tinyBLAS: 2+ tokens, a multiple of 4 rows, not an expert slice. */
+static void test_matmul_float_gemm_choice(void **state)
+{
+    (void)state;
+    const struct kvs_kernels *k = kvs_kernels_best();
+    if (!k->dot_gemm[KVS_TYPE_BF16])
+        skip(); /* this ISA sums prompts as decodes: nothing to choose */
+    enum { K = 256, T = 3 };
+    struct kvs_pool *pool;
+    assert_int_equal(kvs_pool_create(2, &pool), KVS_OK);
+    uint16_t w[8 * K];
+    float x[T * K], y[T * 8];
+    for (int i = 0; i < 8 * K; i++) w[i] = kvs_f32_to_bf16(rndf(-1.0f, 1.0f));
+    for (int i = 0; i < T * K; i++) x[i] = rndf(-1.0f, 1.0f);
+    uint16_t xa[T * K];
+    kvs_quantize_act(k, KVS_TYPE_BF16, x, xa, T * K);
+    void *scratch = malloc(kvs_matmul_scratch_bytes(KVS_TYPE_BF16, K, T));
+    static const struct { int64_t rows; int64_t toks; bool expert; bool gemm; } cases[] = {
+        {8, 3, false, true}, {8, 1, false, false}, {6, 3, false, false}, {8, 3, true, false}, {4, 2, false, true},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        struct kvs_matrix W = { .type = KVS_TYPE_BF16, .ne0 = K, .ne1 = cases[c].rows,
+                                .row_bytes = kvs_type_row_bytes(KVS_TYPE_BF16, K), .data = w,
+                                .expert = cases[c].expert };
+        kvs_matmul(k, pool, &W, x, cases[c].toks, y, scratch);
+        kvs_dot_fn f = cases[c].gemm ? k->dot_gemm[KVS_TYPE_BF16] : k->dot[KVS_TYPE_BF16];
+        for (int64_t t = 0; t < cases[c].toks; t++)
+            for (int64_t r = 0; r < cases[c].rows; r++) {
+                float want = f(K, w + r * K, xa + t * K);
+                assert_memory_equal(&y[t * cases[c].rows + r], &want, 4);
+            }
+    }
+    free(scratch);
+    kvs_pool_destroy(pool);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -655,6 +843,8 @@ int main(void)
         cmocka_unit_test(test_f16_vec),
         cmocka_unit_test(test_matmul_multi),
         cmocka_unit_test(test_matmul_packed),
+        cmocka_unit_test(test_float_dot_orders),
+        cmocka_unit_test(test_matmul_float_gemm_choice),
     };
     /* KVS_TEST_FILTER=test_simd* runs a subset (scripts/neon-check.sh under
      * emulation, where the matmul tests take long). */

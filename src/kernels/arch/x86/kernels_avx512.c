@@ -502,6 +502,104 @@ static float kvs_avx512_dot_f16(int64_t n, const void *w, const void *a)
     return (float)s;
 }
 
+/* Prompt GEMM dot for F16 weights (llama.cpp's tinyBLAS on AVX-512): one
+ * 16-lane FMA accumulator over the row, then a horizontal add (the same
+ * _mm512_reduce_add_ps), in F32; n not a multiple of 16: the vec_dot. */
+static float kvs_avx512_dot_gemm_f16(int64_t n, const void *w, const void *a)
+{
+    const uint16_t *x = w, *y = a;
+    if (n % 16)
+        return kvs_avx512_dot_f16(n, w, a);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))),
+                              _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(y + i))), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* 16 BF16 values widened to F32 (exact). */
+static inline __m512 kvs_avx512_bf16x16(const uint16_t *p)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* BF16 dot as ggml's BF16 vec_dot on AVX-512 without AVX512-BF16: two
+ * 16-lane accumulators over 32-element steps (each product added with one
+ * rounding: the multiply-add a GCC build contracts to FMA), each reduced
+ * (_mm512_reduce_add_ps) and the two added in double, then the n mod 32
+ * tail in double. */
+static float kvs_avx512_dot_bf16(int64_t n, const void *w, const void *a)
+{
+    const uint16_t *x = w, *y = a;
+    __m512 c1 = _mm512_setzero_ps(), c2 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        c1 = _mm512_fmadd_ps(kvs_avx512_bf16x16(x + i), kvs_avx512_bf16x16(y + i), c1);
+        c2 = _mm512_fmadd_ps(kvs_avx512_bf16x16(x + i + 16), kvs_avx512_bf16x16(y + i + 16), c2);
+    }
+    double s = (double)_mm512_reduce_add_ps(c1);
+    s += (double)_mm512_reduce_add_ps(c2);
+    for (; i < n; i++)
+        s += (double)(kvs_bf16_to_f32(x[i]) * kvs_bf16_to_f32(y[i]));
+    return (float)s;
+}
+
+/* Prompt GEMM dot for BF16 weights without AVX512-BF16 (tinyBLAS): one
+ * 16-lane FMA accumulator, then _mm512_reduce_add_ps; n % 16: the vec_dot. */
+static float kvs_avx512_dot_gemm_bf16(int64_t n, const void *w, const void *a)
+{
+    const uint16_t *x = w, *y = a;
+    if (n % 16)
+        return kvs_avx512_dot_bf16(n, w, a);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16)
+        acc = _mm512_fmadd_ps(kvs_avx512_bf16x16(x + i), kvs_avx512_bf16x16(y + i), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* With AVX512-BF16 (CPUs that have it get the table below), ggml sums BF16
+ * with its dot-product instruction VDPBF16PS: per F32 lane j, acc + x[2j+1]
+ * y[2j+1] then + x[2j] y[2j], each product exact, each addition rounded to
+ * nearest even, denormal inputs and results flushed to zero. vec_dot: two
+ * accumulators over 64-element steps, each reduced and the two added in
+ * double, the n mod 64 tail in double; the prompt GEMM (tinyBLAS): one
+ * accumulator over 32-element steps, reduced in F32 (n % 32: the vec_dot).
+ * The functions carry the target attribute so that the file needs no
+ * -mavx512bf16. */
+#define KVS_AVX512BF16 __attribute__((target("avx512bf16,avx512f")))
+
+KVS_AVX512BF16 static inline __m512 kvs_avx512_dpbf16(__m512 acc, const uint16_t *x, const uint16_t *y)
+{
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)x), (__m512bh)_mm512_loadu_si512((const void *)y));
+}
+
+KVS_AVX512BF16 static float kvs_avx512bf16_dot_bf16(int64_t n, const void *w, const void *a)
+{
+    const uint16_t *x = w, *y = a;
+    __m512 c1 = _mm512_setzero_ps(), c2 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        c1 = kvs_avx512_dpbf16(c1, x + i, y + i);
+        c2 = kvs_avx512_dpbf16(c2, x + i + 32, y + i + 32);
+    }
+    double s = (double)_mm512_reduce_add_ps(c1);
+    s += (double)_mm512_reduce_add_ps(c2);
+    for (; i < n; i++)
+        s += (double)(kvs_bf16_to_f32(x[i]) * kvs_bf16_to_f32(y[i]));
+    return (float)s;
+}
+
+KVS_AVX512BF16 static float kvs_avx512bf16_dot_gemm_bf16(int64_t n, const void *w, const void *a)
+{
+    const uint16_t *x = w, *y = a;
+    if (n % 32)
+        return kvs_avx512bf16_dot_bf16(n, w, a);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32)
+        acc = kvs_avx512_dpbf16(acc, x + i, y + i);
+    return _mm512_reduce_add_ps(acc);
+}
+
 /* F32 -> F16 rows (round to nearest even), as kvs_ref_quant_f16. */
 static void kvs_avx512_quant_f16(const float *src, void *dst, int64_t n)
 {
@@ -542,21 +640,27 @@ static void kvs_avx512_f16_mad(uint16_t *y, const uint16_t *x, float s, int64_t 
         kvs_ref_f16_mad(y + np, x + np, s, n - np);
 }
 
+#define KVS_AVX512_ENTRIES                                                                           \
+    .isa = KVS_ISA_AVX512, KVS_KERNELS_REF_ENTRIES, KVS_X86_ENTRIES,                                 \
+    .dot[KVS_TYPE_Q8_0] = kvs_avx512_dot_q8_0, .dot[KVS_TYPE_Q4_0] = kvs_avx512_dot_q4_0,           \
+    .dot4[KVS_TYPE_Q8_0] = kvs_avx512_dot4_q8_0, .dot4[KVS_TYPE_Q4_0] = kvs_avx512_dot4_q4_0,       \
+    .pack_act[KVS_TYPE_Q8_0] = kvs_avx512_pack_q8_0, .pack_act[KVS_TYPE_Q4_0] = kvs_avx512_pack_q4_0, \
+    .gemm[KVS_TYPE_Q8_0] = kvs_avx512_gemm_q8_0, .gemm[KVS_TYPE_Q4_0] = kvs_avx512_gemm_q4_0,       \
+    .gemm_packed[KVS_TYPE_Q8_0] = kvs_avx512_gemm_packed_q8_0,                                      \
+    .quant_act[KVS_TYPE_F16] = kvs_avx512_quant_f16, .dot[KVS_TYPE_F16] = kvs_avx512_dot_f16,       \
+    .dot_gemm[KVS_TYPE_F16] = kvs_avx512_dot_gemm_f16, .f16_scale = kvs_avx512_f16_scale,           \
+    .f16_mad = kvs_avx512_f16_mad
+
 const struct kvs_kernels kvs_kernels_avx512 = {
-    .isa = KVS_ISA_AVX512,
-    KVS_KERNELS_REF_ENTRIES,
-    KVS_X86_ENTRIES,
-    .dot[KVS_TYPE_Q8_0] = kvs_avx512_dot_q8_0,
-    .dot[KVS_TYPE_Q4_0] = kvs_avx512_dot_q4_0,
-    .dot4[KVS_TYPE_Q8_0] = kvs_avx512_dot4_q8_0,
-    .dot4[KVS_TYPE_Q4_0] = kvs_avx512_dot4_q4_0,
-    .pack_act[KVS_TYPE_Q8_0] = kvs_avx512_pack_q8_0,
-    .pack_act[KVS_TYPE_Q4_0] = kvs_avx512_pack_q4_0,
-    .gemm[KVS_TYPE_Q8_0] = kvs_avx512_gemm_q8_0,
-    .gemm[KVS_TYPE_Q4_0] = kvs_avx512_gemm_q4_0,
-    .gemm_packed[KVS_TYPE_Q8_0] = kvs_avx512_gemm_packed_q8_0,
-    .quant_act[KVS_TYPE_F16] = kvs_avx512_quant_f16,
-    .dot[KVS_TYPE_F16] = kvs_avx512_dot_f16,
-    .f16_scale = kvs_avx512_f16_scale,
-    .f16_mad = kvs_avx512_f16_mad,
+    KVS_AVX512_ENTRIES,
+    .dot[KVS_TYPE_BF16] = kvs_avx512_dot_bf16,
+    .dot_gemm[KVS_TYPE_BF16] = kvs_avx512_dot_gemm_bf16,
+};
+
+/* The same on CPUs with AVX512-BF16 (kvs_kernels_get picks it): BF16 with
+ * VDPBF16PS, as ggml built for such a CPU sums it. */
+const struct kvs_kernels kvs_kernels_avx512_bf16 = {
+    KVS_AVX512_ENTRIES,
+    .dot[KVS_TYPE_BF16] = kvs_avx512bf16_dot_bf16,
+    .dot_gemm[KVS_TYPE_BF16] = kvs_avx512bf16_dot_gemm_bf16,
 };

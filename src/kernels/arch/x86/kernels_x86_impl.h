@@ -405,9 +405,68 @@ static inline float kvs_x86_f32(float v) { return v; }
         return s;                                                                                 \
     }
 
-KVS_X86_DOT_FLOAT(kvs_x86_dot_f16, uint16_t, kvs_x86_f16x8, KVS_F16)
-KVS_X86_DOT_FLOAT(kvs_x86_dot_bf16, uint16_t, kvs_x86_bf16x8, kvs_bf16_to_f32)
 KVS_X86_DOT_FLOAT(kvs_x86_dot_f32, float, _mm256_loadu_ps, kvs_x86_f32)
+
+/* F16 and BF16 weights, summed as llama.cpp's CPU backend built for AVX2
+ * does (ggml's vec_dot for decode and flash attention, tinyBLAS for
+ * prompts: kvs_kernels dot_gemm), so that logits follow its roundings.
+ *
+ * F16 dot (ggml's F16 vec_dot on AVX2): four 8-lane FMA accumulators over
+ * 32-element steps, folded 0+2 and 1+3, then 0+1; the 8 lanes as low half +
+ * high half, then two pairwise (hadd) steps; the n mod 32 tail in double. */
+static float kvs_x86_dot_f16(int64_t n, const void *w, const void *a)
+{
+    const uint16_t *x = w, *y = a;
+    const int64_t np = n & ~(int64_t)31;
+    double s = 0.0;
+    if (np) {
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t i = 0; i < np; i += 32)
+            for (int k = 0; k < 4; k++)
+                acc[k] = _mm256_fmadd_ps(kvs_x86_f16x8(x + i + 8 * k), kvs_x86_f16x8(y + i + 8 * k), acc[k]);
+        __m256 v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+        __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        t = _mm_hadd_ps(t, t);
+        s = (double)_mm_cvtss_f32(_mm_hadd_ps(t, t));
+    }
+    for (int64_t i = np; i < n; i++)
+        s += (double)(KVS_F16(x[i]) * KVS_F16(y[i]));
+    return (float)s;
+}
+
+/* BF16 dot (ggml's BF16 vec_dot on AVX2): four 8-lane accumulators over
+ * 32-element steps, each step's product added with one rounding (the
+ * multiply-add a GCC build of ggml contracts to FMA), folded (0+2) + (1+3),
+ * the 8 lanes as kvs_x86_hsum_ps; the n mod 32 tail in double. */
+static float kvs_x86_dot_bf16(int64_t n, const void *w, const void *a)
+{
+    const uint16_t *x = w, *y = a;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; k++)
+            acc[k] = _mm256_fmadd_ps(kvs_x86_bf16x8(x + i + 8 * k), kvs_x86_bf16x8(y + i + 8 * k), acc[k]);
+    double s = (double)kvs_x86_hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3])));
+    for (; i < n; i++)
+        s += (double)(kvs_bf16_to_f32(x[i]) * kvs_bf16_to_f32(y[i]));
+    return (float)s;
+}
+
+/* Prompt GEMM dots (tinyBLAS on AVX2): one 8-lane FMA accumulator over the
+ * row, lanes summed as kvs_x86_hsum_ps; n not a multiple of 8: the vec_dot. */
+#define KVS_X86_DOT_GEMM8(NAME, LOAD8, FALLBACK)                                                    \
+    static float NAME(int64_t n, const void *w, const void *a)                                    \
+    {                                                                                             \
+        const uint16_t *x = w, *y = a;                                                            \
+        if (n % 8)                                                                                \
+            return FALLBACK(n, w, a);                                                             \
+        __m256 acc = _mm256_setzero_ps();                                                         \
+        for (int64_t i = 0; i < n; i += 8)                                                        \
+            acc = _mm256_fmadd_ps(LOAD8(x + i), LOAD8(y + i), acc);                               \
+        return kvs_x86_hsum_ps(acc);                                                              \
+    }
+KVS_X86_DOT_GEMM8(kvs_x86_dot_gemm_f16, kvs_x86_f16x8, kvs_x86_dot_f16)
+KVS_X86_DOT_GEMM8(kvs_x86_dot_gemm_bf16, kvs_x86_bf16x8, kvs_x86_dot_bf16)
 
 /* F32 -> BF16 rows as kvs_f32_to_bf16: round to nearest even on the upper
  * 16 bits, NaN kept quiet (| 0x40). */
@@ -903,6 +962,7 @@ static void kvs_x86_gemm_q6_K(int64_t n, const void *w, size_t w_stride, int64_t
     .quant_act[KVS_TYPE_BF16] = kvs_x86_quant_bf16, .quant_act[KVS_TYPE_F16] = kvs_x86_quant_f16,   \
     .pack_act[KVS_TYPE_Q4_K] = kvs_x86_pack_q8_Kx, .pack_act[KVS_TYPE_Q5_K] = kvs_x86_pack_q8_Kx,   \
     .pack_act[KVS_TYPE_Q6_K] = kvs_x86_pack_q8_Kx, .gemm[KVS_TYPE_Q4_K] = kvs_x86_gemm_q4_K,         \
-    .gemm[KVS_TYPE_Q5_K] = kvs_x86_gemm_q5_K, .gemm[KVS_TYPE_Q6_K] = kvs_x86_gemm_q6_K
+    .gemm[KVS_TYPE_Q5_K] = kvs_x86_gemm_q5_K, .gemm[KVS_TYPE_Q6_K] = kvs_x86_gemm_q6_K,            \
+    .dot_gemm[KVS_TYPE_F16] = kvs_x86_dot_gemm_f16, .dot_gemm[KVS_TYPE_BF16] = kvs_x86_dot_gemm_bf16
 
 #endif
