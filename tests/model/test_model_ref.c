@@ -231,8 +231,10 @@ static double max_rel_diff(const float *a, const float *b, size_t n)
 }
 
 /* The same tokens as one prefill batch, one token at a time, and interleaved
- * with a second sequence in one batch give the same logits. */
-static void check_batching(const char *name)
+ * with a second sequence in one batch give the same logits: within 1e-4
+ * (relative to the largest logit) for batches of 2+ tokens, within
+ * single_bound for one token at a time. */
+static void check_batching(const char *name, double single_bound)
 {
     struct ref r;
     ref_load(name, &r);
@@ -292,7 +294,7 @@ static void check_batching(const char *name)
         d2 = fmax(d2, max_rel_diff(ref1 + (size_t)i * V, mix + r1 * V, (size_t)V));
     }
     printf("%-16s batch vs single: max rel diff %.3g; interleaved 2 seqs: %.3g\n", name, d1, d2);
-    assert_true(d1 <= 1e-4);
+    assert_true(d1 <= single_bound);
     assert_true(d2 <= 1e-4);
     free(full);
     free(one);
@@ -303,10 +305,15 @@ static void check_batching(const char *name)
     ref_free(&r);
 }
 
-static void test_batching_aidreams(void **st) { (void)st; check_batching("aidreams260K"); }
-static void test_batching_qwen3moe(void **st) { (void)st; check_batching("qwen3moe-mixed"); }
-static void test_batching_qwen35(void **st) { (void)st; check_batching("qwen35-mixed"); }
-static void test_batching_qwen35moe(void **st) { (void)st; check_batching("qwen35moe-q4_k"); }
+static void test_batching_aidreams(void **st) { (void)st; check_batching("aidreams260K", 1e-4); }
+static void test_batching_qwen3moe(void **st) { (void)st; check_batching("qwen3moe-mixed", 1e-4); }
+/* Its F16/BF16 matrices sum a decode as llama.cpp's vec_dot and a prompt as
+ * its tinyBLAS (kvs_kernels dot_gemm), two orders, and the F16/BF16
+ * activation roundings after them amplify the ulps, as in llama.cpp itself
+ * (0.023 in probabilities between its one-batch and one-at-a-time runs of
+ * the reference tokens). Measured: 6.4e-7 with AVX-512, 0.013 with AVX2. */
+static void test_batching_qwen35(void **st) { (void)st; check_batching("qwen35-mixed", 0.03); }
+static void test_batching_qwen35moe(void **st) { (void)st; check_batching("qwen35moe-q4_k", 1e-4); }
 
 /* Windows [0, a) then [a, n) over the boundary equal the full window. */
 static void check_window(const char *name, int32_t a)

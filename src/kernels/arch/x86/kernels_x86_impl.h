@@ -174,22 +174,19 @@ static inline __m256i kvs_x86_unpack_q4_0(const uint8_t *qs)
     return _mm256_sub_epi8(_mm256_and_si256(v, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
 }
 
+/* One 8-lane accumulator, one FMA per block with the F32 product of the two
+ * scales, then kvs_x86_hsum_ps: ggml's Q8_0 vec_dot on AVX2 and its tinyBLAS
+ * (prompt) sum the same way, so decode and prefill agree with each other
+ * and with llama.cpp bit for bit (kvs_x86_dot4_q8_0 too). */
 static float kvs_x86_dot_q8_0(int64_t n, const void *w, const void *a)
 {
     const kvs_block_q8_0 *x = w, *y = a;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t nb = n / KVS_QK, i = 0;
-    for (; i + 1 < nb; i += 2) {
-        __m256i p0 = kvs_x86_dot_s8(_mm256_loadu_si256((const __m256i *)x[i].qs), _mm256_loadu_si256((const __m256i *)y[i].qs));
-        __m256i p1 = kvs_x86_dot_s8(_mm256_loadu_si256((const __m256i *)x[i + 1].qs), _mm256_loadu_si256((const __m256i *)y[i + 1].qs));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i].d) * KVS_F16(y[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i + 1].d) * KVS_F16(y[i + 1].d)), _mm256_cvtepi32_ps(p1), acc1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / KVS_QK; i++) {
+        __m256i p = kvs_x86_dot_s8(_mm256_loadu_si256((const __m256i *)x[i].qs), _mm256_loadu_si256((const __m256i *)y[i].qs));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i].d) * KVS_F16(y[i].d)), _mm256_cvtepi32_ps(p), acc);
     }
-    for (; i < nb; i++) {
-        __m256i p0 = kvs_x86_dot_s8(_mm256_loadu_si256((const __m256i *)x[i].qs), _mm256_loadu_si256((const __m256i *)y[i].qs));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(KVS_F16(x[i].d) * KVS_F16(y[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-    }
-    return kvs_x86_hsum_ps(_mm256_add_ps(acc0, acc1));
+    return kvs_x86_hsum_ps(acc);
 }
 
 static float kvs_x86_dot_q4_0(int64_t n, const void *w, const void *a)
