@@ -535,6 +535,79 @@ void kvs_model_seq_clear(struct kvs_model *m, int32_t seq)
     clear_recurrent(m, seq);
 }
 
+/* Sequence state for a handover (model.h): K then V rows [0, n_past) of each
+ * attention block's cache, then each GDN block's conv and delta state. */
+static size_t seq_state_bytes(const struct kvs_model *m, int32_t n_past)
+{
+    const size_t nc = m->n_rs_blk ? (size_t)(m->hp.ssm_conv - 1) * kvs_hparams_conv_channels(&m->hp) : 0;
+    const size_t ns = m->n_rs_blk ? (size_t)m->hp.ssm_h_v * m->hp.ssm_d * m->hp.ssm_d : 0;
+    return (size_t)m->n_kv_blk * 2u * (size_t)n_past * (size_t)m->kv_dim * sizeof(uint16_t) +
+           (size_t)m->n_rs_blk * (nc + ns) * sizeof(float);
+}
+
+size_t kvs_model_seq_state_bytes(const struct kvs_model *m, int32_t seq)
+{
+    if (!m || seq < 0 || seq >= m->n_seq || m->ocl) return 0;
+    return seq_state_bytes(m, m->n_past[seq]);
+}
+
+kvs_err kvs_model_seq_state_get(const struct kvs_model *m, int32_t seq, uint8_t *out, size_t cap)
+{
+    if (!m || seq < 0 || seq >= m->n_seq || !out) return KVS_ERR_ARG;
+    if (m->ocl) return KVS_ERR_UNSUPPORTED;
+    const int32_t np = m->n_past[seq];
+    if (cap < seq_state_bytes(m, np)) return KVS_ERR_RANGE;
+    const size_t row = (size_t)m->kv_dim, rows = (size_t)np * row;
+    for (int32_t b = 0; b < m->n_kv_blk; b++) {
+        const size_t at = ((size_t)b * (size_t)m->n_seq + (size_t)seq) * (size_t)m->n_ctx * row;
+        memcpy(out, m->kcache + at, rows * sizeof(uint16_t));
+        out += rows * sizeof(uint16_t);
+        memcpy(out, m->vcache + at, rows * sizeof(uint16_t));
+        out += rows * sizeof(uint16_t);
+    }
+    if (m->n_rs_blk) {
+        const size_t nc = (size_t)(m->hp.ssm_conv - 1) * kvs_hparams_conv_channels(&m->hp);
+        const size_t ns = (size_t)m->hp.ssm_h_v * m->hp.ssm_d * m->hp.ssm_d;
+        for (int32_t r = 0; r < m->n_rs_blk; r++) {
+            const size_t i = (size_t)r * (size_t)m->n_seq + (size_t)seq;
+            memcpy(out, m->conv_st + i * nc, nc * sizeof(float));
+            out += nc * sizeof(float);
+            memcpy(out, m->ssm_st + i * ns, ns * sizeof(float));
+            out += ns * sizeof(float);
+        }
+    }
+    return KVS_OK;
+}
+
+kvs_err kvs_model_seq_state_set(struct kvs_model *m, int32_t seq, int32_t n_past, const uint8_t *in, size_t len)
+{
+    if (!m || seq < 0 || seq >= m->n_seq || (!in && len)) return KVS_ERR_ARG;
+    if (m->ocl) return KVS_ERR_UNSUPPORTED;
+    if (n_past < 0 || n_past > m->n_ctx || len != seq_state_bytes(m, n_past)) return KVS_ERR_RANGE;
+    const size_t row = (size_t)m->kv_dim, rows = (size_t)n_past * row;
+    for (int32_t b = 0; b < m->n_kv_blk; b++) {
+        const size_t at = ((size_t)b * (size_t)m->n_seq + (size_t)seq) * (size_t)m->n_ctx * row;
+        memcpy(m->kcache + at, in, rows * sizeof(uint16_t));
+        in += rows * sizeof(uint16_t);
+        memcpy(m->vcache + at, in, rows * sizeof(uint16_t));
+        in += rows * sizeof(uint16_t);
+    }
+    if (m->n_rs_blk) {
+        const size_t nc = (size_t)(m->hp.ssm_conv - 1) * kvs_hparams_conv_channels(&m->hp);
+        const size_t ns = (size_t)m->hp.ssm_h_v * m->hp.ssm_d * m->hp.ssm_d;
+        for (int32_t r = 0; r < m->n_rs_blk; r++) {
+            const size_t i = (size_t)r * (size_t)m->n_seq + (size_t)seq;
+            memcpy(m->conv_st + i * nc, in, nc * sizeof(float));
+            in += nc * sizeof(float);
+            memcpy(m->ssm_st + i * ns, in, ns * sizeof(float));
+            in += ns * sizeof(float);
+        }
+        m->rs_dirty[seq] = 1;
+    }
+    m->n_past[seq] = n_past;
+    return KVS_OK;
+}
+
 /* --- forward pass ------------------------------------------------------------ */
 
 /* Checks the batch against the caches without changing anything. */

@@ -171,4 +171,22 @@ void kvs_model_seq_clear(struct kvs_model *m, int32_t seq);
  * 0 (from zero state); another pos is KVS_ERR_RANGE. */
 int32_t kvs_model_seq_len(const struct kvs_model *m, int32_t seq);
 
+/* A sequence's state in this window, for handing it to another process that
+ * loaded the same model and window with the same n_ctx (docs/PROTOCOL.md §5.2,
+ * a planned leave): K then V rows [0, n_past) of every attention block's F16
+ * cache, then every GDN block's F32 conv and delta state, in host byte order
+ * (the same machine only). CPU backend only (the OpenCL one keeps its state on
+ * the device).
+ * kvs_model_seq_state_bytes: the bytes kvs_model_seq_state_get writes for seq
+ * (its kvs_model_seq_len positions); 0 if seq is out of range or the backend
+ * is OpenCL (an empty sequence of a model without GDN blocks is 0 too).
+ * kvs_model_seq_state_get: writes them to out[cap]; KVS_ERR_ARG (seq out of
+ * range, out NULL), KVS_ERR_RANGE (cap too small), KVS_ERR_UNSUPPORTED (OpenCL).
+ * kvs_model_seq_state_set: replaces seq's state by in[len], as written by
+ * kvs_model_seq_state_get for n_past positions; KVS_ERR_RANGE if len is not
+ * that size or n_past is outside [0, n_ctx], then nothing has changed. */
+size_t kvs_model_seq_state_bytes(const struct kvs_model *m, int32_t seq);
+kvs_err kvs_model_seq_state_get(const struct kvs_model *m, int32_t seq, uint8_t *out, size_t cap);
+kvs_err kvs_model_seq_state_set(struct kvs_model *m, int32_t seq, int32_t n_past, const uint8_t *in, size_t len);
+
 #endif

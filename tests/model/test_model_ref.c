@@ -365,6 +365,62 @@ static void check_window(const char *name, int32_t a)
     ref_free(&r);
 }
 
+/* A sequence's state handed to another model instance (a planned leave,
+ * PROTOCOL.md §5.2): after a prefill of P tokens in slot 1 of model a, its
+ * state set into slot 0 of a fresh model b; 4 decode steps on both give the
+ * same logits bit for bit (KV rows and, for qwen35, the GDN states). */
+static void check_handover(const char *name)
+{
+    struct ref r;
+    ref_load(name, &r);
+    enum { P = 12, D = 4 };
+    assert_true(r.n_tok >= P + D);
+    struct kvs_gguf *g = open_model(name);
+    struct kvs_model *a = load(g, 0, -1, 2, P), *b = load(g, 0, -1, 2, P);
+    const int32_t V = (int32_t)kvs_model_hparams(a)->n_vocab;
+    float *la = malloc((size_t)V * sizeof(float)), *lb = malloc((size_t)V * sizeof(float));
+    assert_true(la && lb);
+    int32_t seq[P], pos[P];
+    int8_t want[P] = { 0 };
+    for (int32_t i = 0; i < P; i++) seq[i] = 1, pos[i] = i;
+    want[P - 1] = 1;
+    struct kvs_batch pb = { .n_tokens = P, .token = r.tok, .seq = seq, .pos = pos, .logits = want };
+    assert_int_equal(kvs_model_forward(a, &pb, la), KVS_OK);
+    size_t n = kvs_model_seq_state_bytes(a, 1);
+    assert_true(n > 0);
+    assert_int_equal(kvs_model_seq_state_bytes(a, 2), 0);
+    uint8_t *st = malloc(n + 1);
+    assert_non_null(st);
+    assert_int_equal(kvs_model_seq_state_get(a, 1, st, n - 1), KVS_ERR_RANGE);
+    assert_int_equal(kvs_model_seq_state_get(a, 1, st, n), KVS_OK);
+    /* a wrong size or position count changes nothing */
+    assert_int_equal(kvs_model_seq_state_set(b, 0, P, st, n + 1), KVS_ERR_RANGE);
+    assert_int_equal(kvs_model_seq_state_set(b, 0, P - 1, st, n), KVS_ERR_RANGE);
+    assert_int_equal(kvs_model_seq_len(b, 0), 0);
+    assert_int_equal(kvs_model_seq_state_set(b, 0, P, st, n), KVS_OK);
+    assert_int_equal(kvs_model_seq_len(b, 0), P);
+    for (int32_t i = P; i < P + D; i++) {
+        int32_t s1 = 1, s0 = 0, p = i;
+        int8_t w = 1;
+        struct kvs_batch da = { .n_tokens = 1, .token = &r.tok[i], .seq = &s1, .pos = &p, .logits = &w };
+        struct kvs_batch db = { .n_tokens = 1, .token = &r.tok[i], .seq = &s0, .pos = &p, .logits = &w };
+        assert_int_equal(kvs_model_forward(a, &da, la), KVS_OK);
+        assert_int_equal(kvs_model_forward(b, &db, lb), KVS_OK);
+        assert_memory_equal(la, lb, (size_t)V * sizeof(float));
+    }
+    printf("%-16s handover of a %d-position sequence: %zu bytes, %d decode steps bit-identical\n", name, P, n, D);
+    free(st);
+    free(la);
+    free(lb);
+    kvs_model_free(a);
+    kvs_model_free(b);
+    kvs_gguf_close(g);
+    ref_free(&r);
+}
+
+static void test_handover_aidreams(void **st) { (void)st; check_handover("aidreams260K"); }
+static void test_handover_qwen35(void **st) { (void)st; check_handover("qwen35-mixed"); }
+
 static void test_window_aidreams(void **st) { (void)st; check_window("aidreams260K", 2); }
 static void test_window_qwen3moe(void **st) { (void)st; check_window("qwen3moe-mixed", 1); }
 /* Windows that end on a GDN block (1, 2), and that start on the attention block (3). */
@@ -768,6 +824,8 @@ int main(void)
         cmocka_unit_test(test_greedy_aidreams),
         cmocka_unit_test(test_batching_aidreams),
         cmocka_unit_test(test_window_aidreams),
+        cmocka_unit_test(test_handover_aidreams),
+        cmocka_unit_test(test_handover_qwen35),
         cmocka_unit_test(test_ref_llama_f32),
         cmocka_unit_test(test_ref_llama_mixed),
         cmocka_unit_test(test_ref_llama_q2_k),
