@@ -58,6 +58,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 kvs_proto_get_token(f, &t);
                 break;
             }
+            case KVS_FRAME_LEAVE: {
+                struct kvs_leave l;
+                kvs_proto_get_leave(f, &l);
+                if (l.block_begin >= l.block_end) __builtin_trap(); /* the decoder refuses an empty window */
+                break;
+            }
             case KVS_FRAME_ERROR: {
                 uint32_t code;
                 char msg[64];

@@ -9,7 +9,7 @@
 static_assert(KVS_PROTO_HEADER_BYTES == 24, "PROTOCOL.md §2: the header is 24 bytes");
 static_assert(KVS_PROTO_HELLO_BYTES == 32 + 8 * 4 + 32, "PROTOCOL.md §3.1");
 static_assert(KVS_PROTO_REQ_FIXED_BYTES == 10 * 4, "PROTOCOL.md §3.2");
-static_assert(KVS_FRAME_KIND_COUNT_ == 10, "PROTOCOL.md §3: kinds 1..9");
+static_assert(KVS_FRAME_KIND_COUNT_ == 11, "PROTOCOL.md §3: kinds 1..10");
 
 /* --- little-endian helpers ------------------------------------------------ */
 
@@ -231,6 +231,20 @@ void kvs_proto_get_token(const struct kvs_frame *f, struct kvs_token_msg *m)
     m->finish = kvs_proto_get_u32(f->payload + 4);
 }
 
+void kvs_proto_put_leave(uint8_t out[KVS_PROTO_LEAVE_BYTES], const struct kvs_leave *m)
+{
+    kvs_proto_put_u32(out, m->block_begin);
+    kvs_proto_put_u32(out + 4, m->block_end);
+    kvs_proto_put_u32(out + 8, m->phase);
+}
+
+void kvs_proto_get_leave(const struct kvs_frame *f, struct kvs_leave *m)
+{
+    m->block_begin = kvs_proto_get_u32(f->payload);
+    m->block_end = kvs_proto_get_u32(f->payload + 4);
+    m->phase = kvs_proto_get_u32(f->payload + 8);
+}
+
 size_t kvs_proto_put_error(uint8_t *out, uint32_t code, const char *msg)
 {
     size_t n = msg ? strlen(msg) : 0;
@@ -322,7 +336,7 @@ void kvs_proto_get_trail_rec(const struct kvs_frame *f, uint32_t i, struct kvs_t
 const char *kvs_frame_kind_name(uint32_t kind)
 {
     static const char *const names[] = { "?",      "HELLO", "REQUEST_START", "PREFILL", "DECODE",
-                                         "TOKEN",  "END",   "CANCEL",        "ERROR",   "KEEPALIVE" };
+                                         "TOKEN",  "END",   "CANCEL",        "ERROR",   "KEEPALIVE", "LEAVE" };
     return kind < KVS_FRAME_KIND_COUNT_ ? names[kind] : "?";
 }
 
@@ -347,6 +361,7 @@ kvs_err kvs_proto_check_header(const struct kvs_frame_header *h, uint32_t max_pa
         [KVS_FRAME_CANCEL] = 0,
         [KVS_FRAME_ERROR] = 0,
         [KVS_FRAME_KEEPALIVE] = KVS_FRAME_FLAG_PROBE | KVS_FRAME_FLAG_TRAIL | KVS_FRAME_FLAG_LIVE,
+        [KVS_FRAME_LEAVE] = 0,
     };
     if (max_payload == 0 || max_payload > KVS_PROTO_MAX_PAYLOAD) max_payload = KVS_PROTO_MAX_PAYLOAD;
     if (h->version != KVS_PROTO_VERSION)
@@ -386,6 +401,10 @@ kvs_err kvs_proto_check_header(const struct kvs_frame_header *h, uint32_t max_pa
     case KVS_FRAME_CANCEL:
         want = h->kind == KVS_FRAME_HELLO ? KVS_PROTO_HELLO_BYTES : 0;
         if (n != 0) FAIL(KVS_ERR_RANGE, "%s frame with token count %u (must be 0)", kn, n);
+        break;
+    case KVS_FRAME_LEAVE: /* §3.9 */
+        if (n != 0) FAIL(KVS_ERR_RANGE, "%s frame with token count %u (must be 0)", kn, n);
+        want = KVS_PROTO_LEAVE_BYTES;
         break;
     case KVS_FRAME_TOKEN:
         if (n != 1) FAIL(KVS_ERR_RANGE, "TOKEN frame with token count %u (must be 1)", n);
@@ -427,7 +446,8 @@ kvs_err kvs_proto_check_header(const struct kvs_frame_header *h, uint32_t max_pa
         FAIL(KVS_ERR_RANGE, "%s payload of %u bytes, expected %llu for %u tokens", kn, len, (unsigned long long)want, n);
     bool needs_req = h->kind == KVS_FRAME_REQUEST_START || h->kind == KVS_FRAME_PREFILL ||
                      h->kind == KVS_FRAME_TOKEN || h->kind == KVS_FRAME_END || h->kind == KVS_FRAME_CANCEL;
-    bool no_req = h->kind == KVS_FRAME_HELLO || h->kind == KVS_FRAME_KEEPALIVE || h->kind == KVS_FRAME_DECODE;
+    bool no_req = h->kind == KVS_FRAME_HELLO || h->kind == KVS_FRAME_KEEPALIVE || h->kind == KVS_FRAME_DECODE ||
+                  h->kind == KVS_FRAME_LEAVE;
     if (needs_req && h->req == 0) FAIL(KVS_ERR_FORMAT, "%s frame without a request id", kn);
     if (no_req && h->req != 0) FAIL(KVS_ERR_FORMAT, "%s frame with request id %u (must be 0)", kn, h->req);
     if (errbuf && errlen) errbuf[0] = '\0';
@@ -495,6 +515,13 @@ static kvs_err check_payload(struct kvs_proto_decoder *d)
         if (n_stop > KVS_PROTO_MAX_STOP || kvs_proto_req_bytes(n_stop, h->n_tokens) != h->payload_len) {
             snprintf(d->err, sizeof d->err, "REQUEST_START n_stop %u does not match its payload of %u bytes", n_stop,
                      h->payload_len);
+            return KVS_ERR_FORMAT;
+        }
+    } else if (h->kind == KVS_FRAME_LEAVE) { /* §3.9 */
+        uint32_t b = kvs_proto_get_u32(d->buf), e = kvs_proto_get_u32(d->buf + 4), ph = kvs_proto_get_u32(d->buf + 8);
+        if (b >= e || (ph != KVS_LEAVE_ASK && ph != KVS_LEAVE_DRAIN)) {
+            snprintf(d->err, sizeof d->err, "LEAVE with window [%u,%u) and phase %u (need begin < end, phase 1 or 2)",
+                     b, e, ph);
             return KVS_ERR_FORMAT;
         }
     } else if (h->kind == KVS_FRAME_HELLO) {

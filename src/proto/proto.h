@@ -29,6 +29,7 @@
 #define KVS_PROTO_TRAIL_REC_BYTES 56u      /* one record of a probe trail (§3.8.1, revision 1.1) */
 #define KVS_PROTO_MAX_TRAIL 64u            /* records in a probe trail (n_tokens of a TRAIL probe) */
 #define KVS_PROTO_MAX_LIVE 65536u          /* request ids in a LIVE keepalive (§3.8.2, rev 3.2) */
+#define KVS_PROTO_LEAVE_BYTES 12u          /* LEAVE payload (§3.9, rev 3.3) */
 
 enum kvs_frame_kind {
     KVS_FRAME_HELLO = 1,
@@ -40,6 +41,7 @@ enum kvs_frame_kind {
     KVS_FRAME_CANCEL = 7,
     KVS_FRAME_ERROR = 8,
     KVS_FRAME_KEEPALIVE = 9,
+    KVS_FRAME_LEAVE = 10, /* rev 3.3: a planned leave (§5.2) */
     KVS_FRAME_KIND_COUNT_
 };
 
@@ -117,6 +119,18 @@ struct kvs_req_params {
     int32_t stop[KVS_PROTO_MAX_STOP];
 };
 
+/* LEAVE phases (§3.9). */
+enum kvs_leave_phase {
+    KVS_LEAVE_ASK = 1,   /* from the leaving stage, downstream to the head: its replacement is ready, drain it */
+    KVS_LEAVE_DRAIN = 2, /* the head's answer, downstream to the leaving stage: the head sent nothing after it */
+};
+
+/* LEAVE payload (§3.9): the leaving stage's window and the phase. */
+struct kvs_leave {
+    uint32_t block_begin, block_end; /* begin < end */
+    uint32_t phase;                  /* enum kvs_leave_phase */
+};
+
 /* TOKEN payload (§3.5). */
 struct kvs_token_msg {
     int32_t token;
@@ -151,6 +165,7 @@ void kvs_proto_put_hello(uint8_t out[KVS_PROTO_HELLO_BYTES], const struct kvs_he
 size_t kvs_proto_req_bytes(uint32_t n_stop, uint32_t n_prompt);
 void kvs_proto_put_req(uint8_t *out, const struct kvs_req_params *p, const int32_t *prompt, uint32_t n_prompt);
 void kvs_proto_put_token(uint8_t out[KVS_PROTO_TOKEN_BYTES], const struct kvs_token_msg *m);
+void kvs_proto_put_leave(uint8_t out[KVS_PROTO_LEAVE_BYTES], const struct kvs_leave *m);
 /* ERROR payload: code (u32) then the message bytes (truncated to
  * KVS_PROTO_MAX_ERRMSG). out must hold 4 + KVS_PROTO_MAX_ERRMSG bytes.
  * Returns the payload length. */
@@ -185,6 +200,7 @@ void kvs_proto_get_hello(const struct kvs_frame *f, struct kvs_hello *m);
  * payload (possibly unaligned: read them with kvs_proto_get_i32). */
 void kvs_proto_get_req(const struct kvs_frame *f, struct kvs_req_params *p, const uint8_t **prompt);
 void kvs_proto_get_token(const struct kvs_frame *f, struct kvs_token_msg *m);
+void kvs_proto_get_leave(const struct kvs_frame *f, struct kvs_leave *m);
 /* *code and a NUL-terminated copy of the message in msg[cap]. */
 void kvs_proto_get_error(const struct kvs_frame *f, uint32_t *code, char *msg, size_t cap);
 /* DECODE row i: request id and position. */

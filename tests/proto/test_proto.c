@@ -175,6 +175,17 @@ static void test_roundtrip_all_kinds(void **state)
     g = decode_bytewise(b, buf, n);
     assert_int_equal(g->h.pos, 77);
 
+    /* LEAVE (§3.9) */
+    struct kvs_leave lv = { .block_begin = 2, .block_end = 3, .phase = KVS_LEAVE_DRAIN }, lv2;
+    kvs_proto_put_leave(pay, &lv);
+    n = build(buf, KVS_FRAME_LEAVE, 0, 0, 0, 0, pay, KVS_PROTO_LEAVE_BYTES);
+    assert_int_equal(n, 36);
+    g = decode_bytewise(b, buf, n);
+    assert_int_equal(g->h.kind, KVS_FRAME_LEAVE);
+    kvs_proto_get_leave(g, &lv2);
+    assert_true(lv2.block_begin == 2 && lv2.block_end == 3 && lv2.phase == KVS_LEAVE_DRAIN);
+    assert_string_equal(kvs_frame_kind_name(KVS_FRAME_LEAVE), "LEAVE");
+
     /* ERROR */
     size_t el = kvs_proto_put_error(pay, KVS_ERR_MISMATCH, "window [0,2) is not adjacent to [3,4)");
     assert_int_equal(el, 4 + 37);
@@ -249,7 +260,19 @@ static void test_bad_frames(void **state)
           { 0x4b, 0x56, 0x53, 0x52, 0x01, 0x00, 6, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 },
           24, 0, 0, KVS_ERR_UNSUPPORTED, "protocol version 1, this build speaks 3" },
         { "kind 0", { HDR(0, 0, 0, 0, 0, 0) }, 24, 0, 0, KVS_ERR_FORMAT, "unknown frame kind 0" },
-        { "kind 10", { HDR(10, 0, 0, 0, 0, 0) }, 24, 0, 0, KVS_ERR_FORMAT, "unknown frame kind 10" },
+        { "kind 11", { HDR(11, 0, 0, 0, 0, 0) }, 24, 0, 0, KVS_ERR_FORMAT, "unknown frame kind 11" },
+        { "leave with req", { HDR(KVS_FRAME_LEAVE, 0, 4, 0, 0, 12) }, 24, 0, 0, KVS_ERR_FORMAT,
+          "LEAVE frame with request id 4 (must be 0)" },
+        { "leave short", { HDR(KVS_FRAME_LEAVE, 0, 0, 0, 0, 8) }, 24, 0, 0, KVS_ERR_RANGE,
+          "LEAVE payload of 8 bytes, expected 12 for 0 tokens" },
+        { "leave with tokens", { HDR(KVS_FRAME_LEAVE, 0, 0, 0, 1, 12) }, 24, 0, 0, KVS_ERR_RANGE,
+          "LEAVE frame with token count 1 (must be 0)" },
+        { "leave with flags", { HDR(KVS_FRAME_LEAVE, 0x40, 0, 0, 0, 12) }, 24, 0, 0, KVS_ERR_FORMAT,
+          "LEAVE frame with flags 0x40 not allowed (allowed 0x00)" },
+        { "leave empty window", { HDR(KVS_FRAME_LEAVE, 0, 0, 0, 0, 12), 2, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0 }, 36, 0,
+          0, KVS_ERR_FORMAT, "LEAVE with window [2,2) and phase 1 (need begin < end, phase 1 or 2)" },
+        { "leave phase 3", { HDR(KVS_FRAME_LEAVE, 0, 0, 0, 0, 12), 1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0 }, 36, 0, 0,
+          KVS_ERR_FORMAT, "LEAVE with window [1,2) and phase 3 (need begin < end, phase 1 or 2)" },
         { "flags on END", { HDR(KVS_FRAME_END, 0x01, 1, 0, 0, 0) }, 24, 0, 0, KVS_ERR_FORMAT,
           "END frame with flags 0x01 not allowed (allowed 0x00)" },
         { "oversized payload", { HDR(KVS_FRAME_ERROR, 0, 0, 0, 0, 0x1001) }, 24, 4096, 0, KVS_ERR_RANGE,
@@ -442,6 +465,14 @@ static void test_protocol_md_examples(void **state)
     n = doc_example(doc, "KEEPALIVE", b, sizeof b);
     f = decode_bytewise(d, b, n);
     assert_true(f->h.kind == KVS_FRAME_KEEPALIVE && f->h.flags == KVS_FRAME_FLAG_PROBE && f->h.pos == 5);
+
+    n = doc_example(doc, "LEAVE", b, sizeof b);
+    assert_int_equal(n, 36);
+    f = decode_bytewise(d, b, n);
+    struct kvs_leave lv;
+    kvs_proto_get_leave(f, &lv);
+    assert_true(f->h.kind == KVS_FRAME_LEAVE && f->h.req == 0 && lv.block_begin == 2 && lv.block_end == 3 &&
+                lv.phase == KVS_LEAVE_ASK);
 
     n = doc_example(doc, "KEEPALIVE_TRAIL", b, sizeof b);
     assert_int_equal(n, 80);
