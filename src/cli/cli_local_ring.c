@@ -8,7 +8,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -43,23 +45,69 @@ static int free_port(struct kvs_rng *draw)
     return -1;
 }
 
+#define CTL_FD 3 /* a child's end of its control socket (--control-fd) */
+
 /* Forks and execs child k (its argument vector is ready: nothing is
- * allocated between fork and exec). Returns the pid, or -1 (errno). */
-static pid_t spawn(struct kvs_local_ring *lr, struct kvs_local_child *k)
+ * allocated between fork and exec), with its control socket as fd CTL_FD;
+ * takeover: a replacement for a planned leave (--takeover its state file).
+ * Returns the pid and the supervisor's end of the socket in *ctl, or -1
+ * (errno). */
+static pid_t spawn(struct kvs_local_ring *lr, struct kvs_local_child *k, bool takeover, int *ctl)
 {
+    int sv[2];
+    *ctl = -1;
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv)) return -1;
+    k->args[k->n_args] = takeover ? "--takeover" : NULL;
+    k->args[k->n_args + 1] = takeover ? k->a_hand : NULL;
     fflush(NULL);
     pid_t pid = fork();
-    if (pid < 0) return -1;
+    if (pid < 0) {
+        int en = errno;
+        close(sv[0]);
+        close(sv[1]);
+        errno = en;
+        return -1;
+    }
     if (pid == 0) {
         /* SIGTERM when the thread that forked ends: the caller's thread, or the supervisor's,
          * which ends only in kvs_local_ring_stop (which then stops every child anyway) */
         prctl(PR_SET_PDEATHSIG, SIGTERM);
         if (lr->has_child_mask) pthread_sigmask(SIG_SETMASK, &lr->child_mask, NULL);
+        if (sv[1] == CTL_FD) fcntl(CTL_FD, F_SETFD, 0);
+        else if (dup2(sv[1], CTL_FD) < 0) _exit(127);
         execv(k->self, k->args);
         _exit(127);
     }
+    close(sv[1]);
+    *ctl = sv[0];
     k->started_ms = kvs_link_now_ms();
     return pid;
+}
+
+static void ctl_close(int *fd)
+{
+    if (*fd >= 0) close(*fd);
+    *fd = -1;
+}
+
+static void ctl_say(int fd, const char *word)
+{
+    if (fd >= 0) (void)!send(fd, word, strlen(word), MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+/* Reads a control socket without waiting: 1 and the words in buf, 0 nothing
+ * yet, -1 closed (*fd closed). */
+static int ctl_read(int *fd, char *buf, size_t cap)
+{
+    if (*fd < 0) return 0;
+    ssize_t n = recv(*fd, buf, cap - 1, MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return 0;
+    if (n <= 0) {
+        ctl_close(fd);
+        return -1;
+    }
+    buf[n] = '\0';
+    return 1;
 }
 
 int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_ring *lr,
@@ -147,6 +195,14 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
     }
     lr->kids = calloc((size_t)n, sizeof *lr->kids);
     if (!lr->kids) goto fail_keys;
+    for (int r = 0; r < n; r++) lr->kids[r].ctl = lr->kids[r].repl_ctl = -1;
+    snprintf(lr->state_dir, sizeof lr->state_dir, "/tmp/kvasir-ring-state-XXXXXX");
+    if (n == 1) lr->state_dir[0] = '\0';
+    else if (!mkdtemp(lr->state_dir)) {
+        lr->state_dir[0] = '\0';
+        fprintf(stderr, "kvasir %s: cannot make a folder for the ring's handover files\n", o->who);
+        goto fail_keys;
+    }
     if (o->child_mask) {
         lr->child_mask = *o->child_mask;
         lr->has_child_mask = true;
@@ -172,6 +228,8 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
          * level (KVASIR_LOG, -v, --log-level: inherited through the environment). */
         const bool quiet = !strcmp(o->who, "run") && !getenv("KVASIR_LOG");
         snprintf(k->a_key, sizeof k->a_key, "%s/rank%d.key", lr->key_dir, r);
+        snprintf(k->a_hand, sizeof k->a_hand, "%s/rank%d.state", lr->state_dir, r);
+        k->ctl = k->repl_ctl = -1;
         if (keyed) {
             snprintf(k->a_prev_key, sizeof k->a_prev_key, "%s", pub_hex[r - 1]);
             snprintf(k->a_next_key, sizeof k->a_next_key, "%s", pub_hex[(r + 1) % n]);
@@ -207,8 +265,13 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
             args[na++] = "--device";
             args[na++] = k->a_dev;
         }
+        args[na++] = "--control-fd";
+        args[na++] = CTL_FD == 3 ? "3" : "?";
+        args[na++] = "--handover";
+        args[na++] = k->a_hand;
+        k->n_args = na; /* then "--takeover" FILE for a replacement, NULL */
         args[na] = NULL;
-        pid_t pid = spawn(lr, k);
+        pid_t pid = spawn(lr, k, false, &k->ctl);
         if (pid < 0) {
             fprintf(stderr, "kvasir %s: fork: %s\n", o->who, strerror(errno));
             goto fail_keys;
@@ -267,6 +330,35 @@ static void describe_status(int st, char *buf, size_t cap)
     else snprintf(buf, cap, "status %d", st);
 }
 
+/* The control sockets of rank r (docs/PROTOCOL.md §5.2), under lr->mu. */
+static void serve_control(struct kvs_local_ring *lr, int r)
+{
+    struct kvs_local_child *k = &lr->kids[r];
+    char buf[64];
+    int got = ctl_read(&k->ctl, buf, sizeof buf);
+    if (got > 0 && strstr(buf, "leave")) {
+        if (!lr->supervise || k->repl_pid > 0) {
+            ctl_say(k->ctl, "no\n"); /* not supervised (or already being replaced): it stops as before */
+        } else {
+            unlink(k->a_hand); /* a stale file of an earlier leave */
+            pid_t pid = spawn(lr, k, true, &k->repl_ctl);
+            if (pid < 0) {
+                KVS_LOGE("%s: rank %d: fork: %s (it stops instead of handing over)", lr->who, r, strerror(errno));
+                ctl_say(k->ctl, "no\n");
+            } else {
+                k->repl_pid = pid;
+                k->restarts++;
+                lr->restarts++;
+                KVS_LOGW("%s: rank %d restarted (pid %d, blocks [%d,%d) on %s, restart %d): pid %d leaves on "
+                         "purpose and hands its sequences over", lr->who, r, (int)pid, k->block_begin, k->block_end,
+                         k->a_listen, k->restarts, (int)lr->pids[r]);
+            }
+        }
+    }
+    got = ctl_read(&k->repl_ctl, buf, sizeof buf);
+    if (got > 0 && strstr(buf, "ready")) ctl_say(k->ctl, "go\n");
+}
+
 int kvs_local_ring_poll_children(struct kvs_local_ring *lr)
 {
     int died = 0;
@@ -276,10 +368,33 @@ int kvs_local_ring_poll_children(struct kvs_local_ring *lr)
     for (int r = 1; r < lr->n; r++) {
         struct kvs_local_child *k = &lr->kids[r];
         int st;
+        serve_control(lr, r);
+        if (k->repl_pid > 0 && waitpid(k->repl_pid, &st, WNOHANG) == k->repl_pid) {
+            char how[48];
+            describe_status(st, how, sizeof how);
+            KVS_LOGE("%s: rank %d: the replacement (pid %d) exited (%s) before it took over", lr->who, r,
+                     (int)k->repl_pid, how);
+            k->repl_pid = 0;
+            ctl_close(&k->repl_ctl);
+            ctl_say(k->ctl, "no\n"); /* the leaving stage stops as before: restarted, the head replays */
+        }
         if (lr->pids[r] > 0 && waitpid(lr->pids[r], &st, WNOHANG) == lr->pids[r]) {
             char how[48];
             describe_status(st, how, sizeof how);
             died++;
+            ctl_close(&k->ctl);
+            if (k->repl_pid > 0) { /* a planned leave: the replacement has the rank now */
+                if (access(k->a_hand, F_OK) != 0) /* it left without its state: the replacement starts empty */
+                    ctl_say(k->repl_ctl, "no\n");
+                KVS_LOGI("%s: rank %d (pid %d) left (%s); pid %d serves blocks [%d,%d)", lr->who, r,
+                         (int)lr->pids[r], how, (int)k->repl_pid, k->block_begin, k->block_end);
+                lr->pids[r] = k->repl_pid;
+                k->ctl = k->repl_ctl;
+                k->repl_pid = 0;
+                k->repl_ctl = -1;
+                k->quick = 0;
+                continue;
+            }
             if (!lr->supervise) {
                 KVS_LOGE("rank %d (pid %d) exited (%s)", r, (int)lr->pids[r], how);
                 lr->pids[r] = 0;
@@ -297,7 +412,7 @@ int kvs_local_ring_poll_children(struct kvs_local_ring *lr)
             lr->pids[r] = 0;
         }
         if (lr->supervise && k->waiting && now >= k->restart_at_ms) {
-            pid_t pid = spawn(lr, k);
+            pid_t pid = spawn(lr, k, false, &k->ctl);
             if (pid < 0) {
                 k->quick++;
                 k->restart_at_ms = now + restart_delay_ms(k->quick);
@@ -321,12 +436,18 @@ static void *supervise_main(void *arg)
 {
     struct kvs_local_ring *lr = arg;
     for (;;) {
+        struct pollfd pf[64];
+        nfds_t np = 0;
         pthread_mutex_lock(&lr->mu);
         bool stop = lr->sup_stop;
+        for (int r = 1; r < lr->n && np + 2 <= sizeof pf / sizeof pf[0]; r++) { /* a leave's words wake it */
+            if (lr->kids[r].ctl >= 0) pf[np++] = (struct pollfd){ .fd = lr->kids[r].ctl, .events = POLLIN };
+            if (lr->kids[r].repl_ctl >= 0) pf[np++] = (struct pollfd){ .fd = lr->kids[r].repl_ctl, .events = POLLIN };
+        }
         pthread_mutex_unlock(&lr->mu);
         if (stop) break;
         kvs_local_ring_poll_children(lr);
-        poll(NULL, 0, 50);
+        poll(pf, np, 50);
     }
     return NULL;
 }
@@ -359,6 +480,25 @@ void kvs_local_ring_stop(struct kvs_local_ring *lr)
         pthread_join(lr->sup, NULL);
         lr->sup_running = false;
     }
+    if (lr->kids) /* closed first: a child told to stop now stops (no leave, no replacement) */
+        for (int r = 1; r < lr->n; r++) {
+            ctl_close(&lr->kids[r].ctl);
+            ctl_close(&lr->kids[r].repl_ctl);
+            pid_t rp = lr->kids[r].repl_pid;
+            if (rp > 0) { /* a replacement still waiting for its state: its control socket's EOF ends the wait */
+                kill(rp, SIGTERM);
+                int64_t until = kvs_link_now_ms() + 3000;
+                while (waitpid(rp, NULL, WNOHANG) == 0) {
+                    if (kvs_link_now_ms() > until) {
+                        kill(rp, SIGKILL);
+                        waitpid(rp, NULL, 0);
+                        break;
+                    }
+                    poll(NULL, 0, 20);
+                }
+                lr->kids[r].repl_pid = 0;
+            }
+        }
     if (lr->pids) {
         for (int i = 0; i < lr->n; i++)
             if (lr->pids[i] > 0) kill(lr->pids[i], SIGTERM);
@@ -386,6 +526,17 @@ void kvs_local_ring_stop(struct kvs_local_ring *lr)
         }
         rmdir(lr->key_dir);
         lr->key_dir[0] = '\0';
+    }
+    if (lr->state_dir[0]) {
+        for (int r = 1; r < lr->n; r++) {
+            char path[128];
+            snprintf(path, sizeof path, "%s/rank%d.state", lr->state_dir, r);
+            unlink(path);
+            snprintf(path, sizeof path, "%s/rank%d.state.part", lr->state_dir, r);
+            unlink(path);
+        }
+        rmdir(lr->state_dir);
+        lr->state_dir[0] = '\0';
     }
     kvs_key_free(lr->head_key);
     lr->head_key = NULL;

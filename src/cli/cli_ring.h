@@ -52,7 +52,7 @@ struct kvs_local_ring_opts {
 
 /* One child stage: its argument vector (kept for restarts) and supervision state. */
 struct kvs_local_child {
-    char *args[40];
+    char *args[48];
     char self[4096], model[1024];
     char a_listen[64], a_next[64], a_win[64], a_thr[24], a_ctx[24], a_seq[24], a_delay[24], a_key[128];
     char a_dev[24];
@@ -62,6 +62,12 @@ struct kvs_local_child {
     bool waiting;             /* exited: restart at restart_at_ms */
     int quick;                /* consecutive lives shorter than 10 s (backoff) */
     int restarts;
+    /* a planned leave (docs/PROTOCOL.md §5.2): each child has a control socket (its fd 3) */
+    char a_hand[128];         /* the rank's state file for --handover / --takeover */
+    int n_args;               /* args[n_args]: "--takeover" for a replacement, else NULL */
+    int ctl;                  /* the supervisor's end of the running child's control socket, -1 none */
+    pid_t repl_pid;           /* a replacement started on its leave, 0 none */
+    int repl_ctl;             /* its control socket, -1 none */
 };
 
 struct kvs_local_ring {
@@ -72,6 +78,7 @@ struct kvs_local_ring {
     char head_listen[64], head_next[64];
     struct kvs_key *head_key; /* rank 0's throw-away key (NULL: insecure or one stage) */
     char key_dir[64];         /* mode-0700 folder of the children's throw-away key files, "" if none */
+    char state_dir[64];       /* mode-0700 folder of the handover state files (a planned leave), "" if none */
     struct kvs_local_child *kids; /* [n]; [0] unused */
     char who[16];
     sigset_t child_mask;
@@ -96,7 +103,11 @@ int kvs_local_ring_start(const struct kvs_local_ring_opts *o, struct kvs_local_r
  * command line (window, port, key), at once, or after 250 ms doubling to 8 s
  * when it keeps crashing within 10 s of its start (a SIGTERM or exit 0 is a
  * planned leave: replaced at once); a log line for each exit and each
- * restart. Thread-safe. */
+ * restart. It also answers the children's control sockets (docs/PROTOCOL.md
+ * §5.2): a child that says "leave" (SIGTERM) gets a replacement started at
+ * once with --takeover (under supervision; else "no": it stops as before),
+ * and "go" once that replacement says "ready"; the leaving child's exit then
+ * hands its rank to the replacement instead of a restart. Thread-safe. */
 int kvs_local_ring_poll_children(struct kvs_local_ring *lr);
 /* Starts the supervisor: a thread that polls the children every 50 ms and
  * restarts those that die, until kvs_local_ring_stop. Returns 0, or 1 (after

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,6 +48,9 @@ static void stage_usage(FILE *f)
                "  --spin N             pool spin before idle compute threads sleep (0: default, %d, short, for\n"
                "                       stages sharing cores; -1: the long single-process spin; KVASIR_SPIN wins)\n"
                /* --step-delay MS (sleep before every forward) is a test hook: not listed */
+               "  --control-fd N --handover FILE [--takeover FILE]   used by a local ring's supervisor\n"
+               "                       (serve/run --ring): SIGTERM is a planned leave that hands this stage's\n"
+               "                       sequences to its replacement (docs/PROTOCOL.md 5.2)\n"
                "  --api PORT           OpenAI-compatible HTTP API on the head (as `kvasir serve`)\n"
                "  --api-host ADDR      IPv4 address the API listens on (default 127.0.0.1; 0.0.0.0 = all)\n"
                "  --chat-template NAME chatml | llama3 (default: the GGUF's, else ChatML)\n"
@@ -153,6 +157,12 @@ int kvs_cli_stage(int argc, char **argv)
         else if (!strcmp(a, "--listen")) p.listen = v;
         else if (!strcmp(a, "--next")) p.next = v;
         else if (!strcmp(a, "--relay-ca")) p.relay_ca = v;
+        else if (!strcmp(a, "--handover")) p.handover_path = v;
+        else if (!strcmp(a, "--takeover")) p.takeover_path = v;
+        else if (!strcmp(a, "--control-fd")) {
+            bad = kvs_cli_parse_long(v, 3, 1 << 20, &lv) || fcntl((int)lv, F_GETFD) < 0;
+            p.control_fd = (int32_t)lv;
+        }
         else if (!strcmp(a, "--relay-pin")) p.relay_pin = v;
         else if (!strcmp(a, "--manifest")) manifest = v;
         else if (!strcmp(a, "--key")) key_path = v;

@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,7 +21,7 @@ struct kvs_stage_params kvs_stage_default_params(void)
 {
     return (struct kvs_stage_params){ .block_begin = 0, .block_end = -1, .n_threads = 2, .n_seq = 4,
                                       .n_batch = 512, .boundary_f32 = true, .timeout_ms = 4000, .keepalive_ms = 1000,
-                                      .stop_fd = -1 };
+                                      .stop_fd = -1, .control_fd = -1 };
 }
 
 static void wake(struct kvs_stage *s)
@@ -67,6 +68,15 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
     snprintf(s->relay_ca, sizeof s->relay_ca, "%s", p->relay_ca ? p->relay_ca : "");
     snprintf(s->relay_pin, sizeof s->relay_pin, "%s", p->relay_pin ? p->relay_pin : "");
     s->p.relay_ca = s->p.relay_pin = NULL;
+    if ((p->handover_path && strlen(p->handover_path) >= sizeof s->handover_path) ||
+        (p->takeover_path && strlen(p->takeover_path) >= sizeof s->takeover_path)) {
+        snprintf(err, sizeof err, "handover or takeover path too long");
+        e = KVS_ERR_ARG;
+        goto fail;
+    }
+    snprintf(s->handover_path, sizeof s->handover_path, "%s", p->handover_path ? p->handover_path : "");
+    snprintf(s->takeover_path, sizeof s->takeover_path, "%s", p->takeover_path ? p->takeover_path : "");
+    s->p.handover_path = s->p.takeover_path = NULL;
     s->in_relay = kvs_ws_is_url(s->listen_addr);
     s->p.listen = s->listen_addr;
     s->p.next = s->next_addr;
@@ -246,8 +256,18 @@ kvs_err kvs_stage_create(const struct kvs_stage_params *p, struct kvs_stage **ou
     }
     kvs_st_cut_token(s->listen_addr, s->in_token);
     kvs_st_cut_token(s->next_addr, s->next_token);
+    /* a replacement in a planned leave (§5.2): the leaving stage's sequences first, then its address */
+    if (s->takeover_path[0] && !s->is_head && !s->solo) kvs_st_takeover(s);
     /* a relay URL: no listening socket at all (a stage behind NAT opens no port) */
-    if (!s->in_relay && (e = kvs_tcp_listen(s->listen_addr, &s->lst, err, sizeof err))) goto fail;
+    if (!s->in_relay) {
+        /* after a takeover the leaving stage has just closed this address: a moment may pass
+         * before the port is free (it closes its listener before it writes the state) */
+        int64_t t_listen = kvs_link_now_ms();
+        while ((e = kvs_tcp_listen(s->listen_addr, &s->lst, err, sizeof err)) && s->takeover_path[0] &&
+               kvs_link_now_ms() - t_listen < 2000)
+            poll(NULL, 0, 5);
+        if (e) goto fail;
+    }
     kvs_st_met_update(s);
     *out = s;
     return KVS_OK;

@@ -85,7 +85,23 @@ struct kvs_stage_params {
      * it is not whole within this many ms. 0 = KVS_STAGE_REPLAY_DEADLINE_MS; < 0 = no hold:
      * they fail at once (the behaviour before replay). */
     int32_t replay_deadline_ms;
+    /* A planned leave (docs/PROTOCOL.md §5.2), for a stage under a local supervisor
+     * (src/cli/cli_local_ring.c). control_fd: a stream socket to the supervisor, -1 none (the
+     * default); the stage writes "leave\n" on it when stop_fd fires instead of stopping (a
+     * middle stage on the CPU backend with both links up; anything else stops as before),
+     * keeps serving until it reads "go\n" (its replacement is ready), then drains through the
+     * ring (LEAVE frames), writes its sequences' state to handover_path and stops. "no\n", an
+     * EOF, a second stop_fd event or no "go" within KVS_STAGE_LEAVE_GO_MS stops it at once.
+     * takeover_path: this stage replaces one that is leaving: kvs_stage_create writes
+     * "ready\n" on control_fd once the model is loaded, waits (at most
+     * KVS_STAGE_LEAVE_GO_MS) for that file, takes the sequences in it, removes it, and only
+     * then listens; without a usable file it starts empty and its first link to its successor
+     * counts as a re-join (the head replays, §5.1). Paths are copied at create; NULL none. */
+    int control_fd;
+    const char *handover_path;
+    const char *takeover_path;
 };
+#define KVS_STAGE_LEAVE_GO_MS 15000
 #define KVS_STAGE_REPLAY_DEADLINE_MS 30000
 #define KVS_STAGE_POOL_SPIN 200
 struct kvs_stage_params kvs_stage_default_params(void);

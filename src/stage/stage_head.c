@@ -234,6 +234,7 @@ int32_t kvs_st_head_n_live(const struct kvs_stage *s)
 
 void kvs_st_head_fault(struct kvs_stage *s, kvs_err err, const char *msg)
 {
+    s->drain_since = 0; /* a fault during a planned leave: the hold and replay take over */
     pthread_mutex_lock(&s->mu);
     bool stopping = s->stopped;
     pthread_mutex_unlock(&s->mu);
@@ -266,6 +267,7 @@ void kvs_st_head_fault(struct kvs_stage *s, kvs_err err, const char *msg)
 
 void kvs_st_head_probe_back(struct kvs_stage *s, uint32_t probe_no)
 {
+    kvs_st_head_drain_back(s, probe_no);
     if (!s->hold_since || (int32_t)(probe_no - s->hold_probe) <= 0) return;
     int64_t dt = kvs_link_now_ms() - s->hold_since;
     s->hold_since = 0;
@@ -325,6 +327,7 @@ void kvs_st_free_queued(struct queued *w)
 void kvs_st_head_admit(struct kvs_stage *s)
 {
     head_hold_expired(s);
+    if (s->drain_since) return; /* a planned leave drains (§5.2): nothing new goes into the ring */
     if (!s->hold_since && head_replay_one(s)) {
         s->admit_more = true; /* one replay per loop turn: frames are read between two */
         kvs_st_met_update(s);
@@ -471,6 +474,7 @@ void kvs_st_head_unready(struct kvs_stage *s)
 
 void kvs_st_head_decode(struct kvs_stage *s)
 {
+    if (s->drain_since) return; /* a planned leave drains (§5.2): tokens that come back wait */
     int32_t G = s->p.decode_groups > 0 ? s->p.decode_groups : 1;
     if (G > s->n_seq) G = s->n_seq;
     for (int32_t g = 0; g < G; g++)

@@ -9,6 +9,7 @@
  *   the head: requests, admission, prompt, batched decode, returned tokens (stage_head.c)
  *   the tail: sampling (stage_tail.c)
  *   ring probes and their trails (stage_probe.c)
+ *   a planned leave: LEAVE frames, the drain, the state handover (stage_leave.c)
  *   kvs_stage_params_from_manifest (stage_manifest.c)
  * Every function here runs on the loop thread unless it says otherwise;
  * fields under `mu` are shared with other threads. */
@@ -42,6 +43,10 @@
 #define READ_CHUNK 65536
 #define REFUSED_BACKOFF_MAX_MS 16000 /* re-dial a refusing successor after 1, 2, 4 .. 16 s */
 #define BYE_WRITE_MS 200     /* a goodbye ERROR is best effort: never hold a stopping stage longer */
+#define LEAVE_DRAIN_MS 5000  /* a planned leave (§5.2): the drain must be done within this, else a fault */
+#define LEAVE_PROBE_MS 5     /* head: probe interval while a leave drains */
+#define LEAVE_REDIAL_MS 5    /* re-dial interval to a successor that left on purpose (its replacement) */
+#define LEAVE_REDIAL_FOR_MS 5000
 
 struct seq {
     bool used;
@@ -189,6 +194,21 @@ struct kvs_stage {
     char out_refusal[KVS_PROTO_MAX_ERRMSG + 512], in_refusal[KVS_PROTO_MAX_ERRMSG + 512];
     int n_hops;
     double probe_rtt_ms;
+
+    /* a planned leave (§5.2) */
+    enum { LEAVE_NONE = 0, LEAVE_WAIT_GO, LEAVE_WAIT_DRAIN, LEAVE_DONE } leave_state; /* this stage leaving */
+    int64_t leave_since;
+    bool leave_stop;              /* the leave cannot go on: stop as before (goodbye, replay) */
+    bool ctl_eof;                 /* control_fd: the supervisor closed it */
+    char handover_path[512], takeover_path[512];
+    bool in_leaving;              /* the predecessor announced its leave: losing the in link is no fault */
+    bool out_leaving;             /* the successor drains to leave: losing the out link is no fault */
+    bool out_planned;             /* the out link went down by a planned leave: its return is no re-join */
+    int64_t out_quick_until;      /* re-dial every LEAVE_REDIAL_MS until then */
+    int32_t n_taken;              /* sequences taken over at create */
+    /* head: a drain in progress (0: none) */
+    int64_t drain_since;
+    uint32_t drain_probe, drain_begin, drain_end;
 };
 
 /* --- small helpers ---------------------------------------------------------- */
@@ -226,6 +246,27 @@ kvs_err kvs_st_check_addr(const char *addr, bool listen, char *why, size_t cap);
  * without it). Anything else: nothing changes. */
 void kvs_st_cut_token(char *addr, char tok[KVS_RELAY_TOKEN_HEX + 1]);
 void kvs_st_out_read(struct kvs_stage *s);
+/* Reads what the in link holds (stage_loop.c), dispatching each frame. */
+void kvs_st_in_read(struct kvs_stage *s);
+
+/* --- a planned leave (stage_leave.c, PROTOCOL.md §5.2) --- */
+
+/* stop_fd fired: true if the stage began a planned leave (keeps running), false if it must stop. */
+bool kvs_st_leave_begin(struct kvs_stage *s);
+/* control_fd is readable: reads the supervisor's word ("go", "no") and acts on it. */
+void kvs_st_leave_control(struct kvs_stage *s);
+/* A LEAVE frame from the predecessor. */
+void kvs_st_on_leave(struct kvs_stage *s, const struct kvs_frame *f);
+/* Timers of a leave: the wait for "go", the drain; the head's drain deadline. */
+void kvs_st_leave_timers(struct kvs_stage *s);
+/* The drain is done (LEAVE_DONE): closes the listener and writes every sequence's state to
+ * handover_path (a temporary file renamed into place). Returns false on failure (logged). */
+bool kvs_st_leave_write(struct kvs_stage *s);
+/* kvs_stage_create with takeover_path: says "ready", waits for the file, takes its sequences.
+ * On any failure the stage starts empty and its first out link counts as a re-join. */
+void kvs_st_takeover(struct kvs_stage *s);
+/* Head: probe probe_no came back: ends a drain sent before it. */
+void kvs_st_head_drain_back(struct kvs_stage *s, uint32_t probe_no);
 
 /* --- the sequence table and the data path of a window: REQUEST_START, PREFILL, DECODE, END, ERROR (stage_seq.c) --- */
 

@@ -197,6 +197,16 @@ bool kvs_st_refusal_log_ok(struct kvs_stage *s)
 void kvs_st_in_lost(struct kvs_stage *s, const char *why)
 {
     char msg[300];
+    if (s->in_leaving) { /* the predecessor left on purpose (§5.2): its replacement connects with its state */
+        KVS_LOGI("stage [%d,%d): predecessor %s left on purpose (%s): waiting for its replacement", (int)s->begin,
+                 (int)s->end, s->in ? s->in->peer : "?", why);
+        s->in_leaving = s->in_bye = false;
+        kvs_link_close(s->in);
+        s->in = NULL;
+        kvs_proto_decoder_reset(s->in_dec);
+        kvs_st_met_update(s);
+        return;
+    }
     snprintf(msg, sizeof msg, "stage [%d,%d) lost its predecessor %s: %s%s", (int)s->begin, (int)s->end,
              s->in ? s->in->peer : "?", why, s->in_bye ? " (it shut down)" : "");
     if (s->in_bye) KVS_LOGI("%s", msg); /* orderly: it said goodbye */
@@ -226,6 +236,18 @@ void kvs_st_out_lost(struct kvs_stage *s, const char *why)
     s->out_state = OUT_DOWN;
     kvs_proto_decoder_reset(s->out_dec);
     s->out_next_dial = kvs_link_now_ms() + kvs_link_backoff_ms(s->out_attempt++);
+    if (was_up && s->out_leaving) { /* the successor left on purpose (§5.2): re-dial its replacement at once */
+        KVS_LOGI("stage [%d,%d): successor %s left on purpose: dialing its replacement", (int)s->begin, (int)s->end,
+                 s->next_addr);
+        s->out_leaving = false;
+        s->out_planned = true;
+        s->out_quick_until = kvs_link_now_ms() + LEAVE_REDIAL_FOR_MS;
+        s->out_next_dial = kvs_link_now_ms();
+        s->out_attempt = 0;
+        kvs_st_met_update(s);
+        return;
+    }
+    s->out_planned = false;
     if (was_up) {
         kvs_st_met_add(s, &s->met.links_lost, 1);
         kvs_st_drop_all(s, KVS_ERR_PEER, msg);
@@ -412,6 +434,8 @@ void kvs_st_pend_read(struct kvs_stage *s, struct pending_link *pl)
             kvs_st_pend_close(pl);
             return;
         }
+        /* a predecessor that left on purpose (§5.2) closed after its last frames: read them first */
+        for (int k = 0; k < 64 && s->in && s->in_leaving; k++) kvs_st_in_read(s);
         if (s->in) kvs_st_in_lost(s, "replaced by a new link");
         pthread_mutex_lock(&s->mu);
         s->in_refusal_code = KVS_OK;
@@ -578,6 +602,7 @@ void kvs_st_dial_next(struct kvs_stage *s)
             s->out_warned = true;
         }
         s->out_next_dial = kvs_link_now_ms() + kvs_link_backoff_ms(s->out_attempt++);
+        if (now < s->out_quick_until) s->out_next_dial = now + LEAVE_REDIAL_MS; /* a replacement binds soon */
         return;
     }
     s->out = l;
@@ -688,7 +713,10 @@ void kvs_st_out_read(struct kvs_stage *s)
             s->out_warned = false;
             s->out_last_write = kvs_link_now_ms();
             KVS_LOGI("successor [%u,%u) connected at %s", o.block_begin, o.block_end, s->next_addr);
-            bool rejoin = s->out_ever_up || s->out_dropped > 0;
+            /* after a planned leave (§5.2) only a lost frame makes it one: the replacement holds the state */
+            bool rejoin = (s->out_ever_up && !s->out_planned) || s->out_dropped > 0;
+            s->out_planned = false;
+            s->out_quick_until = 0;
             s->out_ever_up = true;
             s->out_dropped = 0;
             if (!s->is_head && rejoin) {

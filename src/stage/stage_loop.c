@@ -98,6 +98,9 @@ static bool dispatch(struct kvs_stage *s, const struct kvs_frame *f, char *why, 
     case KVS_FRAME_KEEPALIVE:
         kvs_st_on_keepalive(s, f);
         return true;
+    case KVS_FRAME_LEAVE:
+        kvs_st_on_leave(s, f);
+        return true;
     case KVS_FRAME_HELLO:
     case KVS_FRAME_KIND_COUNT_:
         break;
@@ -107,10 +110,11 @@ static bool dispatch(struct kvs_stage *s, const struct kvs_frame *f, char *why, 
     return false;
 }
 
-static void in_read(struct kvs_stage *s)
+void kvs_st_in_read(struct kvs_stage *s)
 {
     size_t got;
-    for (int rounds = 0; rounds < 64 && s->in; rounds++) {
+    /* after the drain mark of a planned leave (§5.2) nothing more is read: it is the replacement's */
+    for (int rounds = 0; rounds < 64 && s->in && s->leave_state != LEAVE_DONE; rounds++) {
         kvs_err e = kvs_link_read(s->in, s->rbuf, READ_CHUNK, &got);
         if (e == KVS_ERR_NEED_MORE) return;
         if (e) {
@@ -120,7 +124,7 @@ static void in_read(struct kvs_stage *s)
         s->in_last_read = kvs_link_now_ms();
         kvs_st_met_add(s, &s->met.bytes_in, got);
         size_t off = 0;
-        while (off < got && s->in) {
+        while (off < got && s->in && s->leave_state != LEAVE_DONE) {
             size_t used;
             e = kvs_proto_decoder_feed(s->in_dec, s->rbuf + off, got - off, &used);
             off += used;
@@ -200,7 +204,9 @@ static void timers(struct kvs_stage *s)
         /* Until the ring is known closed, a probe sent while a later link was
          * still down is lost: probe again soon instead of after keepalive_ms
          * (that wait was up to a second before the first request could go). */
-        const int64_t every = s->met.ring_ready && !s->hold_since ? s->p.keepalive_ms : PROBE_UNREADY_MS;
+        const int64_t every = s->drain_since                         ? LEAVE_PROBE_MS
+                              : s->met.ring_ready && !s->hold_since ? s->p.keepalive_ms
+                                                                    : PROBE_UNREADY_MS;
         if (s->is_head && now - s->probe_sent >= every) {
             s->probe_no++;
             s->probe_sent = now;
@@ -223,6 +229,7 @@ static void timers(struct kvs_stage *s)
         KVS_LOGW("%s", msg);
         kvs_st_drop_all(s, KVS_ERR_TIMEOUT, msg);
     }
+    kvs_st_leave_timers(s);
     kvs_st_met_update(s);
 }
 
@@ -250,13 +257,17 @@ kvs_err kvs_stage_run(struct kvs_stage *s)
     if (s->solo) KVS_LOGI("stage [%d,%d) holds the whole model: a one-stage ring, no links", (int)s->begin, (int)s->end);
     for (;;) {
         bool stop = false;
-        struct pollfd pf[5 + MAX_PENDING_LINKS];
-        int np = 0, i_in = -1, i_out = -1, i_stop = -1, i_pend[MAX_PENDING_LINKS];
+        struct pollfd pf[6 + MAX_PENDING_LINKS];
+        int np = 0, i_in = -1, i_out = -1, i_stop = -1, i_ctl = -1, i_pend[MAX_PENDING_LINKS];
         pf[np++] = (struct pollfd){ .fd = s->wake[0], .events = POLLIN };
-        pf[np++] = (struct pollfd){ .fd = kvs_listener_fd(s->lst), .events = POLLIN };
+        pf[np++] = (struct pollfd){ .fd = s->lst ? kvs_listener_fd(s->lst) : -1, .events = POLLIN };
         if (s->p.stop_fd >= 0) {
             i_stop = np;
             pf[np++] = (struct pollfd){ .fd = s->p.stop_fd, .events = POLLIN };
+        }
+        if (s->p.control_fd >= 0 && !s->ctl_eof) {
+            i_ctl = np;
+            pf[np++] = (struct pollfd){ .fd = s->p.control_fd, .events = POLLIN };
         }
         if (s->in) {
             i_in = np;
@@ -277,7 +288,10 @@ kvs_err kvs_stage_run(struct kvs_stage *s)
         if (s->solo) /* one-stage ring: sampled tokens wait to be fed, no frame will wake the loop */
             for (int32_t i = 0; i < s->n_seq && !busy; i++) busy = s->seqs[i].used && s->seqs[i].has_next;
         int r = poll(pf, (nfds_t)np,
-                     busy ? 0 : s->is_head && (!s->met.ring_ready || s->hold_since) ? PROBE_UNREADY_MS : 100);
+                     busy                                                 ? 0
+                     : s->is_head && s->drain_since                       ? LEAVE_PROBE_MS
+                     : s->is_head && (!s->met.ring_ready || s->hold_since) ? PROBE_UNREADY_MS
+                                                                          : 100);
         s->admit_more = false;
         if (r < 0 && errno != EINTR) return KVS_ERR_IO;
         if (r > 0) {
@@ -289,20 +303,34 @@ kvs_err kvs_stage_run(struct kvs_stage *s)
                         if (buf[k] == 's') stop = true;
                 if (stop) break;
             }
-            if (i_stop >= 0 && pf[i_stop].revents) break;
+            if (i_stop >= 0 && pf[i_stop].revents && !kvs_st_leave_begin(s)) break;
             if (pf[1].revents) kvs_st_accept_new(s);
             for (int i = 0; i < MAX_PENDING_LINKS; i++)
                 if (i_pend[i] >= 0 && pf[i_pend[i]].revents && s->pend[i].l) kvs_st_pend_read(s, &s->pend[i]);
             if (i_out >= 0 && pf[i_out].revents && s->out) kvs_st_out_read(s);
-            if (i_in >= 0 && pf[i_in].revents && s->in) in_read(s);
+            if (i_in >= 0 && pf[i_in].revents && s->in) kvs_st_in_read(s);
+            if (i_ctl >= 0 && pf[i_ctl].revents) kvs_st_leave_control(s);
         }
+        if (s->leave_state == LEAVE_DONE || s->leave_stop) break;
         if (s->is_head) {
             kvs_st_head_admit(s);
             kvs_st_head_decode(s);
         }
         timers(s);
+        if (s->leave_stop) break;
     }
-    KVS_LOGI("stage [%d,%d) stopping", (int)s->begin, (int)s->end);
+    /* a drained planned leave (§5.2): the state goes to the replacement, then the goodbye */
+    if (s->leave_state == LEAVE_DONE && kvs_st_leave_write(s)) {
+        KVS_LOGI("stage [%d,%d) leaving: its replacement takes over", (int)s->begin, (int)s->end);
+    } else {
+        KVS_LOGI("stage [%d,%d) stopping", (int)s->begin, (int)s->end);
+        if (s->leave_state >= LEAVE_WAIT_DRAIN) { /* the ring expects a handover: say it is a fault */
+            char msg[128];
+            snprintf(msg, sizeof msg, "stage [%d,%d) left without handing its sequences over", (int)s->begin,
+                     (int)s->end);
+            kvs_st_send_error(s, 0, KVS_ERR_PEER, msg);
+        }
+    }
     say_goodbye(s);
     /* Nothing is served any more: end every request the head holds. */
     pthread_mutex_lock(&s->mu);

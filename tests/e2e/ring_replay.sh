@@ -3,8 +3,10 @@
 # serve --ring 4: 8 streaming requests (4 greedy, 4 at temperature 0.8 with
 # seeds) undisturbed, then the same 8 with (B) kill -9 of a middle stage, (C)
 # kill -9 and a second kill -9 of its replacement while the replay runs, (D)
-# SIGTERM: the supervisor restarts the stage, all 8 complete, each text equals
-# the undisturbed one; the pause (longest gap in a stream) is printed.
+# SIGTERM: a planned leave (the replacement takes the stage's state over,
+# nothing is replayed: tests/e2e/ring_leave.sh checks that and its pause), all 8
+# complete, each text equals the undisturbed one; the pause (longest gap in a
+# stream) is printed.
 # (E) Deadline: the tail stopped (SIGSTOP): every held stream ends with a clear
 # error after --replay-deadline; after SIGCONT 8 new requests on the 8 slots
 # complete with the undisturbed texts (no slot left behind anywhere).

@@ -3,7 +3,9 @@
 # over the Qwen3.5 hybrid (Gated DeltaNet blocks 0-2, attention block 3); 4
 # streams (2 greedy, 2 at temperature 0.8 with seeds) undisturbed, then again
 # with kill -9 of rank 1 (a GDN window) mid-stream: all complete, each text
-# equal to the undisturbed one.
+# equal to the undisturbed one. Then a planned leave (SIGTERM) of rank 1: its
+# replacement takes the GDN conv and delta states over (PROTOCOL.md 5.2), the
+# texts are again the undisturbed ones and nothing is replayed.
 set -uo pipefail
 BIN=${KVASIR_BIN:?}
 M=${KVASIR_SHARED:?}/models/qwen35-mixed.gguf
@@ -31,13 +33,22 @@ for _ in $(seq 600); do
   sleep 0.1
 done
 [[ $ok == 1 ]] || fail "serve did not become healthy"
-for r in calm kill; do
+for r in calm kill term; do
   act=none
-  [[ $r == kill ]] && act=kill
+  [[ $r != calm ]] && act=$r
+  replays=$(grep -c 'ring whole again after' "$tmp/serve.log")
   timeout 200 python3 "$CLIENT" --port "$port" --log "$tmp/serve.log" --n 4 --max-tokens 20 --act $act --rank 1 \
     >"$tmp/$r.jsonl" 2>"$tmp/$r.client.log" || fail "$r: client failed: $(cat "$tmp/$r.client.log")"
+  if [[ $r == kill ]]; then
+    [[ $(grep -c 'ring whole again after' "$tmp/serve.log") -gt $replays ]] || fail "kill: no replay logged"
+  elif [[ $r == term ]]; then
+    [[ $(grep -c 'ring whole again after' "$tmp/serve.log") == "$replays" ]] || fail "term: replayed (no drain)"
+    grep -q 'stage \[1,2) took over 4 sequences' "$tmp/serve.log" || fail "term: no state taken over"
+  fi
+  sleep 0.3
 done
-python3 - "$tmp/calm.jsonl" "$tmp/kill.jsonl" <<'PY' || fail "the replayed hybrid differs"
+for r in kill term; do
+python3 - "$tmp/calm.jsonl" "$tmp/$r.jsonl" "$r" <<'PY' || fail "the $r hybrid differs"
 import json, sys
 calm = [json.loads(l) for l in open(sys.argv[1])]
 got = [json.loads(l) for l in open(sys.argv[2])]
@@ -48,9 +59,10 @@ for c, g in zip(calm, got):
     if g["error"] or not g["finish"] or g["text"] != c["text"]:
         print("request %d: %s\n  calm: %r\n  got:  %r" % (g["i"], g["error"], c["text"], g["text"])); bad += 1
 gaps = sorted(g["gap_ms"] for g in got)
-print("qwen35 hybrid: %d/4 complete and equal after a kill -9 of a GDN stage; pause median %.0f ms, max %.0f ms"
-      % (4 - bad, (gaps[1] + gaps[2]) / 2, gaps[-1]))
+how = "a kill -9 of a GDN stage (replayed)" if sys.argv[3] == "kill" else "a planned leave of a GDN stage (drained)"
+print("qwen35 hybrid: %d/4 complete and equal after %s; pause median %.0f ms, max %.0f ms"
+      % (4 - bad, how, (gaps[1] + gaps[2]) / 2, gaps[-1]))
 sys.exit(1 if bad else 0)
 PY
-grep -q 'ring whole again after' "$tmp/serve.log" || fail "no replay logged"
+done
 echo PASS
