@@ -113,6 +113,16 @@ void kvs_sampler_accept(struct kvs_sampler *s, int32_t id)
         s->n_recent++;
 }
 
+int32_t kvs_sampler_recent(const struct kvs_sampler *s, int32_t *out, int32_t cap)
+{
+    if (!s)
+        return 0;
+    const int32_t first = (s->head - s->n_recent + s->cap) % (s->cap ? s->cap : 1);
+    for (int32_t i = 0; i < s->n_recent && i < cap; i++)
+        out[i] = s->recent[(first + i) % s->cap];
+    return s->n_recent;
+}
+
 void kvs_sampler_reset(struct kvs_sampler *s)
 {
     if (!s)

@@ -78,6 +78,13 @@ int32_t kvs_sampler_dist(struct kvs_sampler *s, const float *logits, const int32
  * remembers the id for the repetition penalty (ids outside [0, n_vocab) are
  * not remembered). */
 void kvs_sampler_accept(struct kvs_sampler *s, int32_t id);
+/* The ids the repetition penalty remembers (the last repeat_last_n accepted
+ * in [0, n_vocab)), oldest first, into out[cap]; returns how many there are
+ * (0 when the penalty is off; more than cap: only cap written; out may be
+ * NULL when cap is 0). Accepting
+ * them in this order into a new sampler with the same parameters gives it the
+ * same penalty (a tail handing its sequences over, docs/PROTOCOL.md §5.2). */
+int32_t kvs_sampler_recent(const struct kvs_sampler *s, int32_t *out, int32_t cap);
 /* Forgets the recorded tokens and sets the position back to 0, so a reset
  * sampler repeats its sequence. */
 void kvs_sampler_reset(struct kvs_sampler *s);

@@ -87,8 +87,8 @@ struct kvs_stage_params {
     int32_t replay_deadline_ms;
     /* A planned leave (docs/PROTOCOL.md §5.2), for a stage under a local supervisor
      * (src/cli/cli_local_ring.c). control_fd: a stream socket to the supervisor, -1 none (the
-     * default); the stage writes "leave\n" on it when stop_fd fires instead of stopping (a
-     * middle stage on the CPU backend with both links up; anything else stops as before),
+     * default); the stage writes "leave\n" on it when stop_fd fires instead of stopping (any
+     * stage but the head, on the CPU backend, with both links up; else it stops as before),
      * keeps serving until it reads "go\n" (its replacement is ready), then drains through the
      * ring (LEAVE frames), writes its sequences' state to handover_path and stops. "no\n", an
      * EOF, a second stop_fd event or no "go" within KVS_STAGE_LEAVE_GO_MS stops it at once.

@@ -33,7 +33,7 @@ bool kvs_st_leave_begin(struct kvs_stage *s)
 {
     /* the event is left unread when the stage stops: whoever else watches stop_fd sees it too */
     if (s->leave_state != LEAVE_NONE) return false; /* a second stop: now */
-    if (s->is_head || s->is_tail || s->solo || !s->handover_path[0] || s->p.control_fd < 0 || s->ctl_eof ||
+    if (s->is_head || s->solo || !s->handover_path[0] || s->p.control_fd < 0 || s->ctl_eof ||
         s->p.backend == KVS_BACKEND_OPENCL || !s->in || s->out_state != OUT_UP)
         return false;
     if (!ctl_say(s, "leave\n")) return false;
@@ -104,6 +104,7 @@ void kvs_st_on_leave(struct kvs_stage *s, const struct kvs_frame *f)
         s->drain_begin = lv.block_begin;
         s->drain_end = lv.block_end;
         if (lv.block_begin == (uint32_t)s->end) s->out_leaving = true;
+        if (lv.block_end == s->hp.n_block) s->in_leaving = true; /* the tail leaves: the head is its successor */
         KVS_LOGI("stage [%u,%u) leaves on purpose: holding new steps until its replacement is in (%d request%s in "
                  "flight, nothing replayed)", lv.block_begin, lv.block_end, (int)kvs_st_head_n_live(s),
                  kvs_st_head_n_live(s) == 1 ? "" : "s");
@@ -156,6 +157,15 @@ void kvs_st_head_drain_back(struct kvs_stage *s, uint32_t probe_no)
 static bool put(FILE *f, const void *p, size_t n) { return fwrite(p, 1, n, f) == n; }
 static bool get(FILE *f, void *p, size_t n) { return fread(p, 1, n, f) == n; }
 
+/* The tail's part of a sequence (after its model state): what its sampler
+ * and limits need, and the ids the repetition penalty remembers. */
+struct tail_rec {
+    struct kvs_req_params rp;
+    uint32_t max_tokens, generated;
+    uint32_t finished;
+    int32_t n_recent; /* ids that follow, <= KVS_SAMPLER_MAX_LAST_N */
+};
+
 /* The header both sides check: the same model, window, context and slots. */
 struct hand_hdr {
     char magic[8];
@@ -203,6 +213,16 @@ bool kvs_st_leave_write(struct kvs_stage *s)
         ok = (n == 0 || kvs_model_seq_state_get(s->m, i, blob, cap) == KVS_OK) && put(f, &i, 4) &&
              put(f, &q->req, 4) && put(f, &np, 4) && put(f, &n64, 8) && put(f, blob, n);
         total += n;
+        if (ok && s->is_tail) {
+            struct tail_rec t = { .rp = q->rp, .max_tokens = q->max_tokens, .generated = q->generated,
+                                  .finished = q->finished };
+            t.n_recent = kvs_sampler_recent(q->smp, NULL, 0);
+            int32_t *recent = malloc((size_t)t.n_recent * sizeof *recent + 1);
+            ok = recent && kvs_sampler_recent(q->smp, recent, t.n_recent) == t.n_recent && put(f, &t, sizeof t) &&
+                 put(f, recent, (size_t)t.n_recent * sizeof *recent);
+            free(recent);
+            total += sizeof t + (size_t)t.n_recent * sizeof *recent;
+        }
     }
     free(blob);
     ok = fflush(f) == 0 && ok;
@@ -249,6 +269,23 @@ static bool take_file(struct kvs_stage *s, FILE *f, char *why, size_t cap)
             q->used = true;
             q->req = req;
             s->n_taken++;
+            if (s->is_tail) { /* the sampler anew with the same parameters and remembered ids */
+                struct tail_rec t;
+                int32_t *recent = NULL;
+                ok = get(f, &t, sizeof t) && t.n_recent >= 0 && t.n_recent <= KVS_SAMPLER_MAX_LAST_N &&
+                     t.rp.n_stop <= KVS_PROTO_MAX_STOP &&
+                     (recent = malloc((size_t)t.n_recent * sizeof *recent + 1)) != NULL &&
+                     get(f, recent, (size_t)t.n_recent * sizeof *recent);
+                if (ok) kvs_st_tail_begin(s, q, &t.rp, 0, NULL);
+                ok = ok && q->used && q->smp;
+                if (ok) {
+                    for (int32_t j = 0; j < t.n_recent; j++) kvs_sampler_accept(q->smp, recent[j]);
+                    q->max_tokens = t.max_tokens;
+                    q->generated = t.generated;
+                    q->finished = t.finished != 0;
+                }
+                free(recent);
+            }
         }
     }
     free(blob);

@@ -26,6 +26,7 @@ void kvs_st_tail_begin(struct kvs_stage *s, struct seq *q, const struct kvs_req_
         return;
     }
     for (uint32_t i = 0; i < n; i++) kvs_sampler_accept(q->smp, kvs_proto_get_i32(prompt + 4 * i));
+    q->rp = *rp; /* kept for a handover (§5.2): a replacement makes the same sampler */
     q->max_tokens = rp->max_tokens ? rp->max_tokens : 1;
     q->ignore_eos = rp->ignore_eos;
     q->n_stop = rp->n_stop;

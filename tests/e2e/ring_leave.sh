@@ -12,10 +12,12 @@
 # at most the undisturbed longest gap + one step (a step: the median of the
 # undisturbed streams' longest gaps). Before the drain a SIGTERM cost a restart
 # and a replay of every request (pause ~170 ms vs ~55 ms undisturbed, Release).
-# Then a second leave of the same rank (the replacement leaving in turn), and
-# SIGTERM of the tail, which does not hand over (its samplers' state is not in
-# the handover): it stops as before, is restarted, and the head replays; all 8
-# still complete with the undisturbed texts.
+# Then a second leave of the same rank (the replacement leaving in turn), a
+# leave of the tail (its samplers go over too: parameters, limits, the ids the
+# repetition penalty remembers), and the fallback: a second SIGTERM while the
+# replacement loads stops the stage at once (no handover): the replacement
+# starts empty and the head replays; all 8 still complete with the undisturbed
+# texts.
 set -uo pipefail
 BIN=${KVASIR_BIN:?}
 M=${KVASIR_SHARED:?}/models/aidreams260K.gguf
@@ -86,19 +88,24 @@ assert len({r["text"] for r in rs}) >= 6, "the 8 requests should mostly differ"
 assert all(r["chunks"] >= 20 for r in rs), [r["chunks"] for r in rs]
 PY
 count() { grep -c "$1" "$tmp/serve.log"; }
-for round in leave leave2; do
+n_left=0
+for round in leave leave2 tail; do
+  rank=2 win='2,3'
+  [[ $round == tail ]] && rank=3 win='3,4'
   replays=$(count 'ring whole again after')
   drains=$(count 'replaced: the ring is whole again after')
-  run "$round" term
+  n_left=$((n_left + 1))
+  timeout 120 python3 "$CLIENT" --port "$base" --log "$tmp/serve.log" --act term --rank $rank >"$tmp/$round.jsonl" \
+    2>"$tmp/$round.client.log" || fail "$round: client failed: $(cat "$tmp/$round.client.log")"
   for _ in $(seq 100); do # the old process exits right after its handover
-    [[ $(count 'left (exit status 0); pid') -ge $([[ $round == leave ]] && echo 1 || echo 2) ]] && break
+    [[ $(count 'left (exit status 0); pid') -ge $n_left ]] && break
     sleep 0.05
   done
   check "$round"
   [[ $(count 'ring whole again after') == "$replays" ]] || fail "$round: the head replayed (a fault, not a drain)"
   [[ $(count 'replaced: the ring is whole again after') == $((drains + 1)) ]] || fail "$round: no drain logged"
-  grep -q 'stage \[2,3) took over 8 sequences' "$tmp/serve.log" || fail "$round: the replacement took no state"
-  grep -q 'left (exit status 0); pid' "$tmp/serve.log" || fail "$round: the old stage did not hand its rank over"
+  grep -q "stage \[$win) took over 8 sequences" "$tmp/serve.log" || fail "$round: the replacement took no state"
+  [[ $(count 'left (exit status 0); pid') == "$n_left" ]] || fail "$round: the old stage did not hand its rank over"
   grep 'replaced: the ring is whole again after' "$tmp/serve.log" | tail -1 | sed 's/.*: stage/  head: stage/'
   grep 'handed over' "$tmp/serve.log" | tail -1 | sed 's/.*: stage/  leaving: stage/'
   sleep 0.3
@@ -106,21 +113,22 @@ done
 [[ $(count 'serve: rank 2 restarted') == 2 ]] || fail "expected 2 replacements of rank 2"
 kill -0 $spid || fail "serve died"
 
-# the tail does not hand over: a SIGTERM there stops it, and the head replays
+# the fallback: a second SIGTERM while the replacement loads stops the stage at once; the
+# replacement is told so (no state: it starts empty), and the head replays
 replays=$(count 'ring whole again after')
-timeout 120 python3 "$CLIENT" --port "$base" --log "$tmp/serve.log" --act term --rank 3 >"$tmp/tail.jsonl" \
-  2>"$tmp/tail.client.log" || fail "tail: client failed: $(cat "$tmp/tail.client.log")"
-python3 - "$tmp/calm.jsonl" "$tmp/tail.jsonl" <<'PY' || fail "tail: see above"
+timeout 120 python3 "$CLIENT" --port "$base" --log "$tmp/serve.log" --act term2 --rank 1 >"$tmp/term2.jsonl" \
+  2>"$tmp/term2.client.log" || fail "term2: client failed: $(cat "$tmp/term2.client.log")"
+python3 - "$tmp/calm.jsonl" "$tmp/term2.jsonl" <<'PY' || fail "term2: see above"
 import json, sys
 calm = [json.loads(l) for l in open(sys.argv[1])]
 got = [json.loads(l) for l in open(sys.argv[2])]
 bad = [g["i"] for c, g in zip(calm, got) if g["error"] or not g["finish"] or g["text"] != c["text"]]
-print("tail: %d/8 complete and equal after a SIGTERM of the tail (replayed); longest gap %.0f ms" %
+print("term2: %d/8 complete and equal after a second SIGTERM cut the leave short (replayed); longest gap %.0f ms" %
       (8 - len(bad), max(g["gap_ms"] for g in got)))
 sys.exit(1 if bad or len(got) != 8 else 0)
 PY
-[[ $(count 'ring whole again after') -gt $replays ]] || fail "tail: no replay logged"
-grep -q 'serve: rank 3 restarted' "$tmp/serve.log" || fail "tail: not restarted"
+[[ $(count 'ring whole again after') -gt $replays ]] || fail "term2: no replay logged"
+grep -q 'stage \[1,2): taking over .* failed' "$tmp/serve.log" || fail "term2: the replacement did not start empty"
 run after none
 check after
 echo PASS

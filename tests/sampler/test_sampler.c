@@ -327,6 +327,41 @@ static void test_top_p_then_min_p(void **st)
     kvs_sampler_free(s);
 }
 
+/* The remembered ids (a tail's handover, PROTOCOL.md §5.2): the last
+ * repeat_last_n in range, oldest first; a new sampler fed them penalizes the same. */
+static void test_recent(void **st)
+{
+    (void)st;
+    const int32_t *ids, *ids2;
+    const float *pr, *pr2;
+    struct kvs_sampler_params p = plain();
+    p.repeat_penalty = 2.0f;
+    p.repeat_last_n = 3;
+    float l[4] = { 2.0f, -2.0f, 1.0f, 0.5f };
+    struct kvs_sampler *s = make(&p, 4), *t = make(&p, 4);
+    int32_t got[8];
+    assert_int_equal(kvs_sampler_recent(s, got, 8), 0);
+    const int32_t acc[] = { 3, 0, 99, 1, 2, 0 };
+    for (size_t i = 0; i < sizeof acc / sizeof acc[0]; i++) kvs_sampler_accept(s, acc[i]);
+    assert_int_equal(kvs_sampler_recent(s, got, 8), 3);
+    assert_true(got[0] == 1 && got[1] == 2 && got[2] == 0);
+    assert_int_equal(kvs_sampler_recent(s, got, 2), 3); /* count, only cap written */
+    for (int32_t i = 0; i < 3; i++) kvs_sampler_accept(t, (const int32_t[]){ 1, 2, 0 }[i]);
+    int32_t n = kvs_sampler_dist(s, l, &ids, &pr);
+    float ps[4];
+    int32_t is[4];
+    for (int32_t i = 0; i < n; i++) ps[i] = pr[i], is[i] = ids[i];
+    assert_int_equal(kvs_sampler_dist(t, l, &ids2, &pr2), n);
+    for (int32_t i = 0; i < n; i++) assert_true(is[i] == ids2[i] && ps[i] == pr2[i]);
+    p.repeat_penalty = 1.0f; /* penalty off: nothing remembered */
+    struct kvs_sampler *u = make(&p, 4);
+    kvs_sampler_accept(u, 1);
+    assert_int_equal(kvs_sampler_recent(u, got, 8), 0);
+    kvs_sampler_free(s);
+    kvs_sampler_free(t);
+    kvs_sampler_free(u);
+}
+
 static void test_penalty(void **st)
 {
     (void)st;
@@ -685,6 +720,7 @@ int main(void)
         cmocka_unit_test(test_min_p),
         cmocka_unit_test(test_top_p_then_min_p),
         cmocka_unit_test(test_penalty),
+        cmocka_unit_test(test_recent),
         cmocka_unit_test(test_seeds),
         cmocka_unit_test(test_uniform_vectors),
         cmocka_unit_test(test_rng_pinned),

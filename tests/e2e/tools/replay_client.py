@@ -9,7 +9,9 @@ gap_ms is the longest wait between two chunks of that stream (the pause).
 
 Disturbances (--act): none | kill (SIGKILL rank --rank) | kill2 (SIGKILL, then
 SIGKILL the restarted process as soon as the head logs that the ring is whole
-again, i.e. while the replay runs) | term (SIGTERM). The rank's pid is read
+again, i.e. while the replay runs) | term (SIGTERM) | term2 (SIGTERM, then a
+second SIGTERM as soon as the supervisor logs the replacement of the planned
+leave: the stage stops at once, without handing over). The rank's pid is read
 from serve's log (--log): "rank R (pid P)" at start, "rank R restarted (pid P"
 after a restart.
 """
@@ -93,7 +95,7 @@ def main():
     ap.add_argument("--log", required=True)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=80)
-    ap.add_argument("--act", default="none", choices=["none", "kill", "kill2", "term"])
+    ap.add_argument("--act", default="none", choices=["none", "kill", "kill2", "term", "term2"])
     ap.add_argument("--rank", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=90.0)
     a = ap.parse_args()
@@ -111,7 +113,8 @@ def main():
             print("no pid for rank %d in %s" % (a.rank, a.log), file=sys.stderr)
             sys.exit(1)
         wholes = log_text(a.log).count("ring whole again")
-        os.kill(pid, signal.SIGTERM if a.act == "term" else signal.SIGKILL)
+        leaves = log_text(a.log).count("leaves on purpose")
+        os.kill(pid, signal.SIGTERM if a.act.startswith("term") else signal.SIGKILL)
         print("act: %s rank %d pid %d" % (a.act, a.rank, pid), file=sys.stderr)
         if a.act == "kill2":
             t0 = time.monotonic()
@@ -123,6 +126,12 @@ def main():
                 sys.exit(1)
             os.kill(pid2, signal.SIGKILL)
             print("act: second kill during the replay, pid %d" % pid2, file=sys.stderr)
+        if a.act == "term2":
+            t0 = time.monotonic()
+            while log_text(a.log).count("leaves on purpose") == leaves and time.monotonic() - t0 < 30:
+                time.sleep(0.002)
+            os.kill(pid, signal.SIGTERM)
+            print("act: second SIGTERM while the replacement loads, pid %d" % pid, file=sys.stderr)
     for t in th:
         t.join(timeout=a.timeout)
     for r in out:
