@@ -304,7 +304,10 @@ void kvs_st_takeover(struct kvs_stage *s)
             if (poll(&pf, 1, TAKEOVER_POLL_MS) > 0) {
                 char buf[16];
                 ssize_t n = recv(s->p.control_fd, buf, sizeof buf, MSG_DONTWAIT);
-                if (n <= 0 || memchr(buf, 'n', (size_t)n)) break;
+                if (n <= 0 || memchr(buf, 'n', (size_t)n)) {
+                    s->ctl_eof = n <= 0;
+                    break;
+                }
             }
         } else {
             poll(NULL, 0, TAKEOVER_POLL_MS);
