@@ -123,7 +123,7 @@ static inline double kvs_bench_probe_pass(const struct kvs_bench_probe *p)
 {
     struct kvs_bench_bw_part parts[64];
     pthread_t th[64];
-    static volatile uint64_t sink;
+    uint64_t sum = 0;
     const size_t words = p->words, nt = (size_t)p->n_threads;
     double t0 = kvs_bench_now();
     for (size_t t = 0; t < nt; t++) {
@@ -137,7 +137,10 @@ static inline double kvs_bench_probe_pass(const struct kvs_bench_probe *p)
         pthread_join(th[t], NULL);
     double dt = kvs_bench_now() - t0;
     for (size_t t = 0; t < nt; t++)
-        sink += parts[t].sum;
+        sum += parts[t].sum;
+    /* The sum is an input of an empty asm statement, so the compiler must
+     * compute it: the reads cannot be optimised away. */
+    __asm__ __volatile__("" : : "r"(sum));
     return (double)(words * 8) / dt / 1e9;
 }
 
