@@ -144,10 +144,12 @@ void kvs_matmul_rows(const struct kvs_kernels *k, struct kvs_pool *pool, const s
                      void *scratch);
 
 /* Products of one input with n <= 4 matrices: y[i] = W[i] x, as n
- * kvs_matmul calls (same results); when the matrices share type and K and
- * the ISA has a GEMM for the type, x is quantized once and all their rows
- * are split over the pool in one dispatch (q/k/v, gate/up). scratch as for
- * kvs_matmul of one of them. */
+ * kvs_matmul calls (same results bit for bit); when the matrices share K and
+ * the ISA has GEMMs for their types over one packed activation layout (one
+ * type, or e.g. Q4_K, Q5_K and Q6_K on x86), x is quantized once and all
+ * their rows are split over the pool in one dispatch (q/k/v, gate/up, also
+ * Q4_K_M's Q4_K q/k with a Q6_K v). scratch as for kvs_matmul of one of
+ * them. */
 void kvs_matmul_multi(const struct kvs_kernels *k, struct kvs_pool *pool, int n, const struct kvs_matrix *const W[],
                       const float *x, int64_t n_tok, float *const y[], void *scratch);
 

@@ -132,17 +132,18 @@ struct kvs_mm_job {
     size_t act_row;
     enum kvs_type vt;
     kvs_gemm_fn gemm;  /* non-NULL: act is in the ISA's packed layout */
-    kvs_gemm_fn gemm_packed; /* the GEMM over packed weights (matrices with W->packed), or NULL */
     int64_t chunk;     /* gemm: rows per claimed chunk (a multiple of 4) */
     int n_ranges;      /* gemm: home ranges, one per thread (at most KVS_MM_MAX_RANGES) */
     struct kvs_mm_range *ranges;
-    /* gemm: the rows of n_mats matrices of one type and K (kvs_matmul_multi)
-     * as one row space: matrix m has rows [off[m], off[m + 1]) of it and
-     * writes ys[m] (stride its row count); W, y, row_begin are matrix 0's. */
+    /* gemm: the rows of n_mats matrices of one K whose types share one packed
+     * activation layout (kvs_matmul_multi) as one row space: matrix m has
+     * rows [off[m], off[m + 1]) of it, writes ys[m] (stride its row count)
+     * through gemms[m] / gemms_packed[m]; W, y, row_begin are matrix 0's. */
     int n_mats;
     const struct kvs_matrix *mats[KVS_MM_MAX_MATS];
     float *ys[KVS_MM_MAX_MATS];
     int64_t off[KVS_MM_MAX_MATS + 1];
+    kvs_gemm_fn gemms[KVS_MM_MAX_MATS], gemms_packed[KVS_MM_MAX_MATS];
 };
 
 /* The GEMM over rows [c0, c1) of the job's row space. */
@@ -156,11 +157,11 @@ static void kvs_mm_gemm_span(const struct kvs_mm_job *j, int64_t c0, int64_t c1)
         const struct kvs_matrix *W = j->mats[m];
         const int64_t r = c0 - j->off[m] + (m == 0 ? j->row_begin : 0);
         const size_t ny = (size_t)(j->off[m + 1] - j->off[m]);
-        if (W->packed && j->gemm_packed && r % KVS_PACKW_ROWS == 0) {
+        if (W->packed && j->gemms_packed[m] && r % KVS_PACKW_ROWS == 0) {
             const size_t gb = kvs_kernels_packw_group_bytes(W->type, W->ne0);
             for (int64_t t = 0; t < j->n_tok; t += KVS_MM_TOKEN_BLOCK) {
                 const int64_t nt = j->n_tok - t < KVS_MM_TOKEN_BLOCK ? j->n_tok - t : KVS_MM_TOKEN_BLOCK;
-                j->gemm_packed(W->ne0, (const char *)W->packed + (size_t)(r / KVS_PACKW_ROWS) * gb, gb, e - c0,
+                j->gemms_packed[m](W->ne0, (const char *)W->packed + (size_t)(r / KVS_PACKW_ROWS) * gb, gb, e - c0,
                                (const char *)j->act + (size_t)t * j->act_row, j->act_row, nt,
                                j->ys[m] + (size_t)t * ny + (size_t)(c0 - j->off[m]), ny);
             }
@@ -172,7 +173,7 @@ static void kvs_mm_gemm_span(const struct kvs_mm_job *j, int64_t c0, int64_t c1)
          * passes over the block. */
         for (int64_t t = 0; t < j->n_tok; t += KVS_MM_TOKEN_BLOCK) {
             const int64_t nt = j->n_tok - t < KVS_MM_TOKEN_BLOCK ? j->n_tok - t : KVS_MM_TOKEN_BLOCK;
-            j->gemm(W->ne0, (const char *)W->data + (size_t)r * W->row_bytes, W->row_bytes, e - c0,
+            j->gemms[m](W->ne0, (const char *)W->data + (size_t)r * W->row_bytes, W->row_bytes, e - c0,
                     (const char *)j->act + (size_t)t * j->act_row, j->act_row, nt,
                     j->ys[m] + (size_t)t * ny + (size_t)(c0 - j->off[m]), ny);
         }
@@ -252,8 +253,17 @@ static void kvs_mm_gemm_setup(struct kvs_mm_job *j, struct kvs_pool *pool, void 
     size_t packed = kvs_kernels_pack_row_bytes(W->type, W->ne0);
     if (!packed || !j->k->gemm[W->type] || !j->k->pack_act[W->type] || rows >= ((int64_t)1 << 31))
         return;
+    for (int m = 0; m < j->n_mats; m++) {
+        const enum kvs_type t = j->mats[m]->type;
+        if (j->mats[m]->ne0 != W->ne0 || !j->k->gemm[t] || j->k->pack_act[t] != j->k->pack_act[W->type] ||
+            kvs_kernels_pack_row_bytes(t, W->ne0) != packed)
+            return;
+    }
+    for (int m = 0; m < j->n_mats; m++) {
+        j->gemms[m] = j->k->gemm[j->mats[m]->type];
+        j->gemms_packed[m] = j->k->gemm_packed[j->mats[m]->type];
+    }
     j->gemm = j->k->gemm[W->type];
-    j->gemm_packed = j->k->gemm_packed[W->type];
     j->act = j->act_w = (void *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     j->act_row = packed;
     int nr = kvs_pool_n_threads(pool);
@@ -317,9 +327,11 @@ void kvs_matmul_multi(const struct kvs_kernels *k, struct kvs_pool *pool, int n,
                       const float *x, int64_t n_tok, float *const y[], void *scratch)
 {
     assert(k && n >= 1 && W && y);
+    /* one dispatch when the matrices share K and a packed activation layout
+     * (kvs_mm_gemm_setup checks; e.g. Q4_K q/k with a Q6_K v in Q4_K_M files) */
     bool same = n <= KVS_MM_MAX_MATS && n_tok > 0;
     for (int i = 1; i < n && same; i++)
-        same = W[i]->type == W[0]->type && W[i]->ne0 == W[0]->ne0;
+        same = W[i]->ne0 == W[0]->ne0 && kvs_vec_dot_type(W[i]->type) == kvs_vec_dot_type(W[0]->type);
     if (same) {
         struct kvs_mm_range ranges[KVS_MM_MAX_RANGES];
         struct kvs_mm_job j = {

@@ -522,21 +522,28 @@ static void test_matmul_packed(void **state)
 
 /* kvs_matmul_multi equals one kvs_matmul per matrix, bit for bit: shared
  * type and K (one packed GEMM dispatch over 3 matrices of 36, 8 and 20 rows,
- * chunks crossing matrix boundaries) and mixed types (the fallback). */
+ * chunks crossing matrix boundaries), K-quant types sharing the packed Q8_K
+ * activations (one dispatch with a GEMM per matrix where the ISA has them)
+ * and mixed vec_dot types (the fallback). */
 static void test_matmul_multi(void **state)
 {
     (void)state;
     const struct kvs_kernels *k = kvs_kernels_best();
-    const int64_t K = 352, rows[3] = {36, 8, 20}, TMAX = 69; /* > one 64-token block */
+    const int64_t rows[3] = {36, 8, 20}, TMAX = 69; /* > one 64-token block */
     static const enum kvs_type sets[][3] = {
         {KVS_TYPE_Q8_0, KVS_TYPE_Q8_0, KVS_TYPE_Q8_0},
         {KVS_TYPE_Q4_0, KVS_TYPE_Q4_0, KVS_TYPE_Q4_0},
         {KVS_TYPE_Q8_0, KVS_TYPE_Q4_0, KVS_TYPE_F16},
+        /* K-quant mixes sharing the packed Q8_K layout (one dispatch on x86) */
+        {KVS_TYPE_Q4_K, KVS_TYPE_Q4_K, KVS_TYPE_Q6_K},
+        {KVS_TYPE_Q6_K, KVS_TYPE_Q5_K, KVS_TYPE_Q4_K},
+        {KVS_TYPE_Q4_K, KVS_TYPE_Q8_0, KVS_TYPE_Q4_K},
     };
     for (int nt = 1; nt <= 3; nt++) {
         struct kvs_pool *pool = NULL;
         assert_int_equal(kvs_pool_create(nt, &pool), KVS_OK);
         for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
+            const int64_t K = kvs_vec_dot_type(sets[si][0]) == KVS_TYPE_Q8_K ? 512 : 352;
             uint8_t *w[3];
             struct kvs_matrix W[3];
             const struct kvs_matrix *Wp[3];
