@@ -35,6 +35,9 @@ int kvs_cli_join(int argc, char **argv);     /* enroll through a market and serv
  * kvs_cli_parse_float a whole finite float (not NaN, not infinity). Both return 0 and set *out,
  * or return -1 (empty, trailing characters, out of range) and leave *out as it was. */
 int kvs_cli_parse_long(const char *s, long lo, long hi, long *out);
+/* Reads a relay secret file (docs/RELAY.md §4: 16..256 bytes, trailing newlines dropped) into
+ * buf[cap]; *len its length. Returns 0, or -1 after printing why to stderr. */
+int kvs_cli_read_secret(const char *path, uint8_t *buf, size_t cap, size_t *len);
 int kvs_cli_parse_float(const char *s, float *out);
 
 /* Sampling seeds. kvs_cli_random_seed: 63 random bits (getrandom, else the

@@ -39,12 +39,15 @@
 static void join_usage(FILE *f)
 {
     fprintf(f, "usage: kvasir join --market URL [--mem BYTES] [--threads N] [--listen ADDR | --relay URL] [--cache DIR]\n"
-               "                   [--name NODE] [--api PORT] [--poll-ms MS] [--key FILE]\n"
+               "                   [--name NODE] [--api PORT] [--poll-ms MS] [--key FILE] [--relay-ca PEM | --relay-pin HEX]\n"
                "  --mem BYTES     memory budget for weights + KV cache + buffers (suffix K, M or G: KiB, MiB, GiB;\n"
                "                  default MemAvailable)\n"
                "  --threads N     compute threads of the stage (default 2)\n"
                "  --listen ADDR   HOST:PORT the stage accepts its predecessor on (default 127.0.0.1:0, a free port)\n"
-               "  --relay URL     link through a relay edge (not built yet: refused)\n"
+               "  --relay URL     accept no connection: both links dial out, the in link through this relay\n"
+               "                  (ws[s]://HOST[:PORT]; the market names the edge and hands out its token)\n"
+               "  --relay-ca PEM  trust this CA (or the relay's self-signed certificate) for wss:// links\n"
+               "  --relay-pin HEX trust exactly the relay certificate with this SHA-256 (default: the market's pin)\n"
                "  --cache DIR     where fetched windows are kept (default $XDG_CACHE_HOME/kvasir or ~/.cache/kvasir)\n"
                "  --name NODE     node name on the map (default HOST-PID)\n"
                "  --api PORT      the head's OpenAI API port (default 0: any free port)\n"
@@ -69,8 +72,15 @@ struct pick {
 struct node {
     const char *market;
     char name[KVS_MARKET_NAME_MAX];
-    char endpoint[KVS_MARKET_ADDR_MAX];
+    char endpoint[KVS_MARKET_ADDR_MAX];   /* "host:port", "" with --relay */
     char host[64];
+    const char *relay;                    /* --relay base URL, or NULL */
+    const char *relay_ca;                 /* --relay-ca, or NULL */
+    char relay_pin[65];                   /* --relay-pin, else the market's, or "" */
+    bool pin_given;
+    char relay_edge[KVS_MARKET_URL_MAX];  /* --relay: this claim's in-edge URL (no token) */
+    char in_edge[KVS_MARKET_URL_MAX + 8 + KVS_RELAY_TOKEN_HEX]; /* ... with ?token=, the stage's listen */
+    char out_edge_token[KVS_RELAY_TOKEN_HEX + 1]; /* the edge into the block after the window ("" unknown) */
     uint64_t mem;
     int threads;
     long api_port;
@@ -159,9 +169,10 @@ static const struct kvs_market_listing *find_listing(const struct kvs_market_map
 /* POST /v1/claims for n->pk; 201 -> claim held. Returns the status (0: no answer). */
 static int claim(struct node *n, char *err, size_t errlen)
 {
-    json_t *b = json_pack("{ss sI sI sI ss ss ss ss}", "model", n->pk.model, "ring", (json_int_t)n->pk.ring, "begin",
-                          (json_int_t)n->pk.begin, "end", (json_int_t)n->pk.end, "node", n->name, "endpoint",
-                          n->endpoint, "pubkey", n->pub_hex, "api", n->api_url);
+    json_t *b = json_pack("{ss sI sI sI ss ss ss}", "model", n->pk.model, "ring", (json_int_t)n->pk.ring, "begin",
+                          (json_int_t)n->pk.begin, "end", (json_int_t)n->pk.end, "node", n->name, "pubkey", n->pub_hex,
+                          "api", n->api_url);
+    json_object_set_new(b, n->relay ? "relay" : "endpoint", json_string(n->relay ? n->relay : n->endpoint));
     int status = 0;
     json_t *r = call(n, "/v1/claims", b, &status, err, errlen);
     json_decref(b);
@@ -173,6 +184,21 @@ static int claim(struct node *n, char *err, size_t errlen)
         if (n->lease_ms < 100) n->lease_ms = 100;
         n->have_claim = true;
         n->lost = false;
+        n->out_edge_token[0] = '\0';
+        const char *pin = json_string_value(json_object_get(r, "relay_pin"));
+        if (pin && !n->pin_given) snprintf(n->relay_pin, sizeof n->relay_pin, "%s", pin);
+        const char *ru = json_string_value(json_object_get(r, "relay"));
+        const char *rt = json_string_value(json_object_get(r, "edge_token"));
+        if (n->relay && (!ru || !rt)) {
+            snprintf(err, errlen, "the market gave no relay edge for this claim (it needs --relay-secret)");
+            n->have_claim = false;
+            json_decref(r);
+            return 400;
+        }
+        if (n->relay) {
+            snprintf(n->relay_edge, sizeof n->relay_edge, "%s", ru);
+            snprintf(n->in_edge, sizeof n->in_edge, "%s?token=%s", ru, rt);
+        }
     } else {
         snprintf(err, errlen, "%s", error_message(r));
     }
@@ -336,14 +362,82 @@ static void *stage_thread(void *arg)
     return NULL;
 }
 
-/* The successor's endpoint in map for n's window ("" when nobody holds it). */
-static void successor(struct node *n, const struct kvs_market_map *map, char *out, size_t cap)
+/* n's neighbours in the map: the successor (the claim whose window begins where n's ends; the
+ * tail's is the head's) with the address its predecessor dials (its relay edge URL, or
+ * host:port) and both neighbours' node keys (the predecessor: the claim whose window ends where
+ * n's begins; the head's is the tail's). A neighbour whose claim publishes no valid key counts
+ * as missing: every link of a market-formed ring is TLS between node keys. */
+struct nbrs {
+    bool have_next, have_prev;
+    bool next_relay;                     /* the successor links through a relay edge */
+    char next[KVS_MARKET_URL_MAX];       /* without a token */
+    uint8_t next_key[KVS_KEY_PUB_BYTES], prev_key[KVS_KEY_PUB_BYTES];
+    char missing[160];                   /* why one is missing, for the log */
+};
+
+static void neighbours(struct node *n, const struct kvs_market_map *map, struct nbrs *o)
 {
-    out[0] = '\0';
+    memset(o, 0, sizeof *o);
     const struct kvs_market_listing *l = find_listing(map, n->pk.model);
-    if (!l) return;
-    const struct kvs_market_claim *c = kvs_market_claim_at(l, n->pk.ring, n->pk.end == n->pk.n_block ? 0 : n->pk.end);
-    if (c) snprintf(out, cap, "%s", c->endpoint);
+    if (!l) {
+        snprintf(o->missing, sizeof o->missing, "model %s is not listed", n->pk.model);
+        return;
+    }
+    uint32_t nb = n->pk.end == n->pk.n_block ? 0 : n->pk.end, pe = n->pk.begin == 0 ? n->pk.n_block : n->pk.begin;
+    const struct kvs_market_claim *c = kvs_market_claim_at(l, n->pk.ring, nb), *pc = NULL;
+    for (size_t i = 0; i < l->n_claims; i++)
+        if (l->claims[i].ring == n->pk.ring && l->claims[i].end == pe) pc = &l->claims[i];
+    if (c && (c->relay[0] || c->endpoint[0]) && kvs_key_parse_public(c->pubkey, o->next_key) == KVS_OK) {
+        o->have_next = true;
+        o->next_relay = c->relay[0] != '\0';
+        snprintf(o->next, sizeof o->next, "%s", c->relay[0] ? c->relay : c->endpoint);
+    }
+    if (pc && kvs_key_parse_public(pc->pubkey, o->prev_key) == KVS_OK) o->have_prev = true;
+    if (!c) snprintf(o->missing, sizeof o->missing, "a node to claim the blocks from %u", nb);
+    else if (!o->have_next) snprintf(o->missing, sizeof o->missing, "node %s (blocks from %u) publishes no node key", c->node, nb);
+    else if (!pc) snprintf(o->missing, sizeof o->missing, "a node to claim the blocks up to %u", pe);
+    else if (!o->have_prev) snprintf(o->missing, sizeof o->missing, "node %s (blocks up to %u) publishes no node key", pc->node, pe);
+}
+
+/* The address the stage dials for nb's successor: host:port as it is, a relay edge URL with the
+ * edge's token, which the market hands to the holder of this window (POST /v1/claims/ID/edge,
+ * asked once per claim). Errors: KVS_ERR_NET / KVS_ERR_ARG (no token: logged; retried next poll). */
+static kvs_err next_address(struct node *n, const struct nbrs *nb, char *out, size_t cap)
+{
+    if (!nb->next_relay) {
+        snprintf(out, cap, "%s", nb->next);
+        return KVS_OK;
+    }
+    pthread_mutex_lock(&n->mu);
+    bool have = n->out_edge_token[0] != '\0';
+    char path[96];
+    snprintf(path, sizeof path, "/v1/claims/%" PRId64 "/edge", n->claim_id);
+    json_t *b = json_pack("{ss}", "token", n->token);
+    pthread_mutex_unlock(&n->mu);
+    if (!have) {
+        char err[256];
+        int status = 0;
+        json_t *r = call(n, path, b, &status, err, sizeof err);
+        const char *t = r ? json_string_value(json_object_get(r, "edge_token")) : NULL;
+        const char *pin = r ? json_string_value(json_object_get(r, "relay_pin")) : NULL;
+        if (status != 200 || !t || strlen(t) != KVS_RELAY_TOKEN_HEX) {
+            KVS_LOGW("join: no token for the relay edge of the successor %s: %s", nb->next,
+                     r ? error_message(r) : err);
+            json_decref(r);
+            json_decref(b);
+            return r ? KVS_ERR_ARG : KVS_ERR_NET;
+        }
+        pthread_mutex_lock(&n->mu);
+        snprintf(n->out_edge_token, sizeof n->out_edge_token, "%s", t);
+        if (pin && !n->pin_given && !n->relay_pin[0]) snprintf(n->relay_pin, sizeof n->relay_pin, "%s", pin);
+        pthread_mutex_unlock(&n->mu);
+        json_decref(r);
+    }
+    json_decref(b);
+    pthread_mutex_lock(&n->mu);
+    int w = snprintf(out, cap, "%s?token=%s", nb->next, n->out_edge_token);
+    pthread_mutex_unlock(&n->mu);
+    return w < (int)cap ? KVS_OK : KVS_ERR_RANGE;
 }
 
 enum serve_end { SERVE_SIGNAL, SERVE_LOST, SERVE_ERROR };
@@ -360,16 +454,17 @@ static bool claim_lost(struct node *n)
 static enum serve_end serve(struct node *n, const char *shard)
 {
     bool solo = n->pk.begin == 0 && n->pk.end == n->pk.n_block;
-    char next[KVS_MARKET_ADDR_MAX] = "", err[1024];
+    char err[1024], next[KVS_MARKET_URL_MAX + 8 + KVS_RELAY_TOKEN_HEX] = "";
+    struct nbrs nb = { 0 };
     bool waiting_logged = false;
-    while (!solo && !next[0]) { /* a successor first */
+    while (!solo) { /* both neighbours and their keys first */
         struct kvs_market_map map;
         if (read_map(n, &map, err, sizeof err) == KVS_OK) {
-            successor(n, &map, next, sizeof next);
+            neighbours(n, &map, &nb);
             kvs_market_map_free(&map);
+            if (nb.have_next && nb.have_prev && next_address(n, &nb, next, sizeof next) == KVS_OK) break;
         }
-        if (next[0]) break;
-        if (!waiting_logged) KVS_LOGI("join: waiting for a node to claim the blocks after [%u,%u)", n->pk.begin, n->pk.end);
+        if (!waiting_logged) KVS_LOGI("join: [%u,%u) waits for %s", n->pk.begin, n->pk.end, nb.missing[0] ? nb.missing : err);
         waiting_logged = true;
         if (signalled(n, n->poll_ms)) return SERVE_SIGNAL;
         if (claim_lost(n)) return SERVE_LOST;
@@ -378,19 +473,21 @@ static enum serve_end serve(struct node *n, const char *shard)
     p.model_path = shard;
     p.block_begin = (int32_t)n->pk.begin;
     p.block_end = (int32_t)n->pk.end;
-    p.listen = n->endpoint;
+    p.listen = n->in_edge[0] ? n->in_edge : n->endpoint;
     p.next = solo ? NULL : next;
+    p.relay_ca = n->relay_ca;
+    p.relay_pin = n->relay_pin[0] ? n->relay_pin : NULL;
     p.n_threads = n->threads;
     p.n_ctx = (int32_t)n->pk.ctx;
     p.n_seq = (int32_t)n->pk.seqs;
     p.boundary_f32 = n->pk.boundary_f32;
     p.fingerprint = n->pk.fingerprint[0] ? n->pk.fingerprint : NULL;
     p.content_id = n->pk.content_id[0] ? n->pk.content_id : NULL;
-    /* Node keys are not yet published in claims and checked against the map (docs/MARKET.md,
-     * "Known limits"): a market-formed ring's links are plaintext for now, and say so. */
-    p.insecure = true;
-    KVS_LOGW("join: the links of [%u,%u) are plaintext and unauthenticated (node keys through the market are not done yet)",
-             n->pk.begin, n->pk.end);
+    /* TLS between node keys (PROTOCOL.md §4): this node's key, the neighbours' from their claims */
+    p.key = n->key;
+    p.has_prev_key = p.has_next_key = !solo;
+    memcpy(p.prev_key, nb.prev_key, sizeof p.prev_key);
+    memcpy(p.next_key, nb.next_key, sizeof p.next_key);
     struct kvs_stage *s = NULL;
     kvs_err e = kvs_stage_create(&p, &s, err, sizeof err);
     if (e) {
@@ -427,8 +524,11 @@ static enum serve_end serve(struct node *n, const char *shard)
     n->last_report_ms = 0;
     pthread_cond_broadcast(&n->cv); /* report at once */
     pthread_mutex_unlock(&n->mu);
-    KVS_LOGI("join: serving %s ring %u [%u,%u) on %s, next %s", n->pk.model, n->pk.ring, n->pk.begin, n->pk.end,
-             n->endpoint, solo ? "(none)" : next);
+    char cut[sizeof next];
+    snprintf(cut, sizeof cut, "%s", next);
+    if (strstr(cut, "?token=")) *strstr(cut, "?token=") = '\0'; /* logs never show an edge token */
+    KVS_LOGI("join: serving %s ring %u [%u,%u) on %s, next %s (TLS between node keys)", n->pk.model, n->pk.ring,
+             n->pk.begin, n->pk.end, n->in_edge[0] ? n->relay_edge : n->endpoint, solo ? "(none)" : cut);
     enum serve_end why;
     for (;;) {
         if (signalled(n, n->poll_ms)) {
@@ -442,16 +542,28 @@ static enum serve_end serve(struct node *n, const char *shard)
         if (solo) continue;
         struct kvs_market_map map;
         if (read_map(n, &map, err, sizeof err) != KVS_OK) continue; /* the market is down: keep serving */
-        char now_next[KVS_MARKET_ADDR_MAX];
-        successor(n, &map, now_next, sizeof now_next);
+        struct nbrs now;
+        neighbours(n, &map, &now);
         kvs_market_map_free(&map);
-        if (now_next[0] && strcmp(now_next, next)) {
-            e = kvs_stage_set_next(s, now_next, err, sizeof err);
-            if (e) KVS_LOGW("join: cannot re-point the successor to %s: %s", now_next, err);
-            else {
-                KVS_LOGI("join: the successor of [%u,%u) is now %s (was %s)", n->pk.begin, n->pk.end, now_next, next);
-                snprintf(next, sizeof next, "%s", now_next);
-            }
+        char now_next[sizeof next];
+        bool next_moved = now.have_next && (strcmp(now.next, nb.next) || memcmp(now.next_key, nb.next_key, sizeof nb.next_key));
+        bool prev_moved = now.have_prev && memcmp(now.prev_key, nb.prev_key, sizeof nb.prev_key);
+        if (next_moved && next_address(n, &now, now_next, sizeof now_next) != KVS_OK) next_moved = false;
+        if (!next_moved && !prev_moved) continue;
+        e = kvs_stage_set_neighbours(s, next_moved ? now_next : NULL, next_moved ? now.next_key : NULL,
+                                     prev_moved ? now.prev_key : NULL, err, sizeof err);
+        if (e) {
+            KVS_LOGW("join: cannot re-point the neighbours of [%u,%u): %s", n->pk.begin, n->pk.end, err);
+            continue;
+        }
+        if (next_moved) {
+            KVS_LOGI("join: the successor of [%u,%u) is now %s (was %s)", n->pk.begin, n->pk.end, now.next, nb.next);
+            snprintf(nb.next, sizeof nb.next, "%s", now.next);
+            memcpy(nb.next_key, now.next_key, sizeof nb.next_key);
+        }
+        if (prev_moved) {
+            KVS_LOGI("join: the predecessor of [%u,%u) has a new node key", n->pk.begin, n->pk.end);
+            memcpy(nb.prev_key, now.prev_key, sizeof nb.prev_key);
         }
     }
     pthread_mutex_lock(&n->mu);
@@ -636,6 +748,12 @@ int kvs_cli_join(int argc, char **argv)
             n.threads = (int)lv;
         } else if (!strcmp(a, "--listen")) listen = v;
         else if (!strcmp(a, "--relay")) relay = v;
+        else if (!strcmp(a, "--relay-ca")) n.relay_ca = v;
+        else if (!strcmp(a, "--relay-pin")) {
+            bad = strlen(v) != 64 || strspn(v, "0123456789abcdef") != 64;
+            snprintf(n.relay_pin, sizeof n.relay_pin, "%s", v);
+            n.pin_given = true;
+        }
         else if (!strcmp(a, "--cache")) cache = v;
         else if (!strcmp(a, "--name")) name = v;
         else if (!strcmp(a, "--key")) key_path = v;
@@ -658,10 +776,20 @@ int kvs_cli_join(int argc, char **argv)
         join_usage(stderr);
         return 2;
     }
-    if (relay) {
-        fprintf(stderr, "kvasir join: --relay: relay links are not in this build yet; use --listen HOST:PORT\n");
+    bool listen_given = strcmp(listen, "127.0.0.1:0") != 0;
+    if (relay && listen_given) {
+        fprintf(stderr, "kvasir join: --relay and --listen exclude each other (a relayed node listens on nothing)\n");
         return 2;
     }
+    if (relay && !kvs_ws_is_url(relay)) {
+        fprintf(stderr, "kvasir join: --relay must be the relay's ws[s]://HOST[:PORT]: %s\n", relay);
+        return 2;
+    }
+    if (n.relay_ca && n.pin_given) {
+        fprintf(stderr, "kvasir join: --relay-ca and --relay-pin exclude each other\n");
+        return 2;
+    }
+    n.relay = relay;
     long lport = -1;
     const char *colon = strrchr(listen, ':');
     size_t hl = colon ? (size_t)(colon - listen) : 0;
@@ -671,13 +799,15 @@ int kvs_cli_join(int argc, char **argv)
     }
     memcpy(n.host, listen, hl);
     n.host[hl] = '\0';
-    uint16_t port = (uint16_t)lport;
-    if (!port) port = (uint16_t)free_port(n.host);
-    if (!port) {
-        fprintf(stderr, "kvasir join: no free port on %s\n", n.host);
-        return 1;
+    if (!relay) {
+        uint16_t port = (uint16_t)lport;
+        if (!port) port = (uint16_t)free_port(n.host);
+        if (!port) {
+            fprintf(stderr, "kvasir join: no free port on %s\n", n.host);
+            return 1;
+        }
+        snprintf(n.endpoint, sizeof n.endpoint, "%s:%u", n.host, (unsigned)port);
     }
-    snprintf(n.endpoint, sizeof n.endpoint, "%s:%u", n.host, (unsigned)port);
     if (!n.mem) n.mem = mem_available();
     if (name) {
         snprintf(n.name, sizeof n.name, "%s", name);
@@ -730,7 +860,8 @@ int kvs_cli_join(int argc, char **argv)
         fprintf(stderr, "kvasir join: cannot start the renewal thread\n");
         return 1;
     }
-    KVS_LOGI("join: node %s, memory %" PRIu64 " bytes, endpoint %s, market %s", n.name, n.mem, n.endpoint, n.market);
+    KVS_LOGI("join: node %s, memory %" PRIu64 " bytes, %s %s, market %s", n.name, n.mem, relay ? "relay" : "endpoint",
+             relay ? relay : n.endpoint, n.market);
     int rc = 0;
     bool waiting_logged = false;
     for (;;) {

@@ -17,12 +17,17 @@
 static void market_usage(FILE *f)
 {
     fprintf(f, "usage: kvasir market --listen HOST:PORT --db market.sqlite [--lease-ms MS] [--max-body BYTES]\n"
+               "                     [--relay-secret FILE [--relay-pin HEX]]\n"
                "       kvasir market add --market URL --url MODEL_URL [--name NAME] [--index INDEX_URL] [--rings N]\n"
                "                         [--content-id HEX]  (`kvasir shard index` prints it: nodes fetch against it)\n"
                "                         [--ctx N] [--seqs S] [--boundary f32|f16]\n"
                "  the service: listings, claims with leases, GET /map (JSON), GET / (the map page), GET /v1/rings\n"
                "  --lease-ms MS    lease of a claim and of each renewal (default %d; tests use short ones)\n"
                "  --max-body BYTES request body cap (default %u; larger bodies get 413)\n"
+               "  --relay-secret FILE  the relay's secret (kvasir relay --secret): nodes that claim with a relay\n"
+               "                   (kvasir join --relay URL) get their edge's token from the market, and their\n"
+               "                   predecessors the token to dial it (docs/MARKET.md \"Relay claims\")\n"
+               "  --relay-pin HEX  SHA-256 of the relay certificate's DER, handed to every claimant to trust it\n"
                "  add: the market reads the model's GGUF header from MODEL_URL (HTTP ranges, as plan --url)\n",
             KVS_MARKET_LEASE_DEFAULT_MS, KVS_MARKET_MAX_BODY_DEFAULT);
 }
@@ -91,6 +96,7 @@ int kvs_cli_market(int argc, char **argv)
     if (argc >= 2 && !strcmp(argv[1], "add")) return market_add(argc - 1, argv + 1);
     struct kvs_market_params p = kvs_market_default_params();
     const char *listen = NULL;
+    static uint8_t secret[256];
     for (int i = 1; i < argc; i += 2) { /* every option takes a value */
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -106,6 +112,10 @@ int kvs_cli_market(int argc, char **argv)
         int bad = 0;
         if (!strcmp(a, "--listen")) listen = v;
         else if (!strcmp(a, "--db")) p.db_path = v;
+        else if (!strcmp(a, "--relay-secret")) {
+            if (kvs_cli_read_secret(v, secret, sizeof secret, &p.relay_secret_len)) return 2;
+            p.relay_secret = secret;
+        } else if (!strcmp(a, "--relay-pin")) p.relay_pin = v;
         else if (!strcmp(a, "--lease-ms")) {
             bad = kvs_cli_parse_long(v, 100, 86400000, &n);
             p.lease_ms = n;

@@ -28,11 +28,11 @@ static void usage(FILE *f)
             "Stops on SIGINT/SIGTERM.\n");
 }
 
-static int read_secret(const char *path, uint8_t *buf, size_t cap, size_t *len)
+int kvs_cli_read_secret(const char *path, uint8_t *buf, size_t cap, size_t *len)
 {
     FILE *f = fopen(path, "rb");
     if (!f) {
-        fprintf(stderr, "kvasir relay: cannot open the secret file %s\n", path);
+        fprintf(stderr, "kvasir: cannot open the relay secret file %s\n", path);
         return -1;
     }
     size_t n = fread(buf, 1, cap, f);
@@ -40,7 +40,7 @@ static int read_secret(const char *path, uint8_t *buf, size_t cap, size_t *len)
     fclose(f);
     while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r')) n--;
     if (more || n < 16) {
-        fprintf(stderr, "kvasir relay: the secret in %s must be 16..256 bytes\n", path);
+        fprintf(stderr, "kvasir: the relay secret in %s must be 16..256 bytes\n", path);
         return -1;
     }
     *len = n;
@@ -112,7 +112,7 @@ int kvs_cli_relay(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    if (read_secret(secret_file, secret, 256, &slen)) return 2;
+    if (kvs_cli_read_secret(secret_file, secret, 256, &slen)) return 2;
     if (token_mode) {
         char tok[KVS_RELAY_TOKEN_HEX + 1];
         if (kvs_relay_token(secret, slen, edge, tok)) {

@@ -133,6 +133,12 @@ struct kvs_market_params {
     const char *db_path;    /* SQLite file (created if missing); ":memory:" for tests */
     int64_t lease_ms;       /* lease granted by a claim and by each renewal (default 30000) */
     size_t max_body;        /* request body cap (default KVS_MARKET_MAX_BODY_DEFAULT) */
+    /* Relay edges (docs/MARKET.md "Relay claims"): the secret of the relay(s) whose edges this market
+     * hands out (16..256 bytes, copied; NULL/0: claims naming a relay are refused), and the SHA-256
+     * (64 hex) of the relay certificate's DER, handed to every claimant to trust it (NULL: none). */
+    const uint8_t *relay_secret;
+    size_t relay_secret_len;
+    const char *relay_pin;
 };
 struct kvs_market_params kvs_market_default_params(void);
 
@@ -198,7 +204,7 @@ kvs_err kvs_market_receipt_parse(const char *text, size_t len, struct kvs_market
  * string), body of len bytes (NULL/0 for none), now_ms the wall clock (ms
  * since the epoch; tests pass their own to expire leases). Routes:
  *   GET  /  /map  /v1/rings  /v1/listings
- *   POST /v1/listings  /v1/claims  /v1/claims/ID/renew  /v1/claims/ID/release
+ *   POST /v1/listings  /v1/claims  /v1/claims/ID/renew  /v1/claims/ID/release  /v1/claims/ID/edge
  * Errors are replies, never crashes: {"error":{"code","message"}} with 400
  * (bad JSON / field, code "bad_request"; claim outside the model, code
  * "out_of_range"), 403 (not the holder, "not_holder"), 404 ("unknown_model",
@@ -225,7 +231,9 @@ struct kvs_market_claim {
     int64_t id;
     uint32_t ring, begin, end;
     char node[KVS_MARKET_NAME_MAX];
-    char endpoint[KVS_MARKET_ADDR_MAX];
+    char endpoint[KVS_MARKET_ADDR_MAX]; /* "host:port" its predecessor dials, or "" (a relay claim) */
+    char relay[KVS_MARKET_URL_MAX];     /* its in link's relay edge URL (no token), or "" */
+    char pubkey[KVS_MARKET_KEY_MAX];    /* its node public key (64 hex), or "" */
     char api[KVS_MARKET_URL_MAX];
     bool ready;
     int64_t expires_ms;
@@ -261,6 +269,11 @@ struct kvs_market_map {
  * KVS_ERR_FORMAT, KVS_ERR_RANGE, KVS_ERR_NOMEM. */
 kvs_err kvs_market_map_parse(const char *text, size_t len, struct kvs_market_map *map, char *errbuf, size_t errlen);
 void kvs_market_map_free(struct kvs_market_map *map);
+
+/* The relay edge into block `begin` of ring `ring` of `model` (the in link of the window that begins
+ * there): "MODEL-rRING-bBEGIN" when it fits 64 bytes, else "h" + 32 hex digits of SHA-256 of that
+ * text + "-rRING-bBEGIN". out gets it (NUL-terminated). */
+void kvs_market_edge_id(const char *model, uint32_t ring, uint32_t begin, char out[65]);
 
 /* A node's pick: the uncovered window with the highest reward that fits
  * mem_bytes. For every gap the window is the longest prefix [gap.begin, b)

@@ -7,6 +7,7 @@
 
 #include <inttypes.h>
 #include <jansson.h>
+#include <openssl/sha.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +16,7 @@
 #include <time.h>
 
 #include "gguf/gguf.h"
+#include "link/link.h"
 #include "plan/plan.h"
 
 static const char SCHEMA[] =
@@ -90,6 +92,20 @@ kvs_err kvs_market_open(const struct kvs_market_params *p, struct kvs_market **o
     struct kvs_market *m = calloc(1, sizeof *m);
     if (!m) return KVS_ERR_NOMEM;
     m->p = *p;
+    if (p->relay_secret_len && (p->relay_secret_len < 16 || p->relay_secret_len > sizeof m->relay_secret || !p->relay_secret)) {
+        free(m);
+        return fail(KVS_ERR_ARG, errbuf, errlen, "market: the relay secret must be 16..256 bytes");
+    }
+    if (p->relay_pin && p->relay_pin[0] &&
+        (strlen(p->relay_pin) != 64 || strspn(p->relay_pin, "0123456789abcdef") != 64)) {
+        free(m);
+        return fail(KVS_ERR_ARG, errbuf, errlen, "market: the relay pin must be 64 lower-case hex digits");
+    }
+    if (p->relay_secret_len) memcpy(m->relay_secret, p->relay_secret, p->relay_secret_len);
+    m->relay_secret_len = p->relay_secret_len;
+    snprintf(m->relay_pin, sizeof m->relay_pin, "%s", p->relay_pin ? p->relay_pin : "");
+    m->p.relay_secret = NULL;
+    m->p.relay_pin = NULL;
     pthread_mutex_init(&m->mu, NULL);
     if (sqlite3_open_v2(p->db_path, &m->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, NULL) !=
         SQLITE_OK) {
@@ -351,6 +367,37 @@ static void new_token(char out[KVS_MARKET_TOKEN_LEN + 1])
     for (size_t i = 0; i < sizeof b; i++) snprintf(out + 2 * i, 3, "%02x", b[i]);
 }
 
+/* A relay base URL in a claim: ws[s]://HOST[:PORT] with nothing after it but '/'; NULL when it is
+ * one, else why not. */
+static const char *relay_base_problem(const char *u)
+{
+    const char *h = !strncmp(u, "wss://", 6) ? u + 6 : !strncmp(u, "ws://", 5) ? u + 5 : NULL;
+    if (!h) return "must begin with ws:// or wss://";
+    if (!*h || *h == '/' || *h == ':') return "needs a host";
+    const char *sl = strchr(h, '/');
+    if (sl && strspn(sl, "/") != strlen(sl)) return "must be the relay's base URL (ws[s]://HOST[:PORT]): the market names the edge";
+    for (const char *p = h; *p; p++)
+        if (*p <= ' ' || *p > '~' || strchr("?#@\"'<>\\", *p)) return "has a character a URL host cannot have";
+    return NULL;
+}
+
+void kvs_market_edge_id(const char *model, uint32_t ring, uint32_t begin, char out[65])
+{
+    char tail[32];
+    snprintf(tail, sizeof tail, "-r%u-b%u", ring, begin);
+    size_t ml = strlen(model), tl = strlen(tail);
+    if (ml + tl <= 64) {
+        memcpy(out, model, ml);
+        memcpy(out + ml, tail, tl + 1);
+        return;
+    }
+    uint8_t d[32];
+    SHA256((const unsigned char *)model, strlen(model), d);
+    out[0] = 'h';
+    for (int i = 0; i < 16; i++) snprintf(out + 1 + 2 * i, 3, "%02x", d[i]);
+    memcpy(out + 33, tail, tl + 1); /* tl <= 23 */
+}
+
 static kvs_err handle_claim(struct kvs_market *m, const char *body, size_t len, int64_t now, struct kvs_market_reply *r)
 {
     struct kvs_market_claim_req q;
@@ -380,6 +427,32 @@ static kvs_err handle_claim(struct kvs_market *m, const char *body, size_t len, 
         e = reply_error(r, 400, "out_of_range", "claim of ring %u blocks [%u,%u) is outside model '%s' (%u blocks, %u rings)",
                         q.ring, q.begin, q.end, q.model, row.n_block, row.rings);
         goto out;
+    }
+    char edge[65] = "", edge_token[KVS_RELAY_TOKEN_HEX + 1] = "";
+    if (q.relay[0]) { /* the in link through the relay: the market names the edge and hands out its token */
+        const char *why = relay_base_problem(q.relay);
+        if (!m->relay_secret_len || why) {
+            rollback(m);
+            e = m->relay_secret_len ? reply_error(r, 400, "bad_request", "field 'relay': %s", why)
+                                    : reply_error(r, 400, "no_relay", "this market hands out no relay edges (no --relay-secret)");
+            goto out;
+        }
+        kvs_market_edge_id(q.model, q.ring, q.begin, edge);
+        if (kvs_relay_token(m->relay_secret, m->relay_secret_len, edge, edge_token)) {
+            rollback(m);
+            e = reply_error(r, 500, "internal", "cannot make the edge token");
+            goto out;
+        }
+        size_t bl = strlen(q.relay);
+        while (bl && q.relay[bl - 1] == '/') bl--;
+        char full[KVS_MARKET_URL_MAX];
+        if (snprintf(full, sizeof full, "%.*s/edge/%s", (int)bl, q.relay, edge) >= (int)sizeof full) {
+            rollback(m);
+            e = reply_error(r, 400, "bad_request", "field 'relay' is too long");
+            goto out;
+        }
+        snprintf(q.relay, sizeof q.relay, "%s", full);
+        q.endpoint[0] = '\0'; /* nobody dials the node itself */
     }
     sqlite3_stmt *st;
     if (sqlite3_prepare_v2(m->db, "SELECT id, b, e, node FROM claims WHERE model=? AND ring=? AND b < ? AND e > ? LIMIT 1",
@@ -446,10 +519,16 @@ static kvs_err handle_claim(struct kvs_market *m, const char *body, size_t len, 
         e = reply_db(m, r);
         goto out;
     }
-    e = reply_json(r, 201,
-                   json_pack("{sI ss ss sI sI sI sI sI}", "id", (json_int_t)id, "token", token, "model", q.model, "ring",
-                             (json_int_t)q.ring, "begin", (json_int_t)q.begin, "end", (json_int_t)q.end, "lease_ms",
-                             (json_int_t)m->p.lease_ms, "expires_ms", (json_int_t)exp));
+    json_t *rep = json_pack("{sI ss ss sI sI sI sI sI}", "id", (json_int_t)id, "token", token, "model", q.model, "ring",
+                            (json_int_t)q.ring, "begin", (json_int_t)q.begin, "end", (json_int_t)q.end, "lease_ms",
+                            (json_int_t)m->p.lease_ms, "expires_ms", (json_int_t)exp);
+    if (rep && edge[0]) {
+        json_object_set_new(rep, "relay", json_string(q.relay));
+        json_object_set_new(rep, "edge", json_string(edge));
+        json_object_set_new(rep, "edge_token", json_string(edge_token));
+    }
+    if (rep && m->relay_pin[0]) json_object_set_new(rep, "relay_pin", json_string(m->relay_pin));
+    e = reply_json(r, 201, rep);
 out:
     pthread_mutex_unlock(&m->mu);
     return e;
@@ -539,6 +618,62 @@ static kvs_err handle_renew(struct kvs_market *m, int64_t id, const char *body, 
     }
     e = reply_json(r, 200, json_pack("{sI sI sI}", "id", (json_int_t)id, "lease_ms", (json_int_t)m->p.lease_ms,
                                      "expires_ms", (json_int_t)exp));
+out:
+    pthread_mutex_unlock(&m->mu);
+    return e;
+}
+
+/* POST /v1/claims/ID/edge: the holder of a claim gets the token of the relay edge into the block
+ * after its window (its successor's in link; the tail's: the head's), whoever holds that window. */
+static kvs_err handle_edge(struct kvs_market *m, int64_t id, const char *body, size_t len, int64_t now,
+                           struct kvs_market_reply *r)
+{
+    struct kvs_market_release_req q; /* {token}: the same shape */
+    char err[512];
+    kvs_err e = kvs_market_parse_release(body, len, &q, err, sizeof err);
+    if (e) return reply_error(r, 400, "bad_request", "%s", err);
+    if (!m->relay_secret_len) return reply_error(r, 404, "no_relay", "this market hands out no relay edges (no --relay-secret)");
+    pthread_mutex_lock(&m->mu);
+    if (!begin(m)) {
+        e = reply_db(m, r);
+        goto out;
+    }
+    if (!purge(m, now)) {
+        rollback(m);
+        e = reply_db(m, r);
+        goto out;
+    }
+    if (check_holder(m, id, q.token, r, &e)) goto out;
+    sqlite3_stmt *st;
+    if (sqlite3_prepare_v2(m->db,
+                           "SELECT c.model, c.ring, c.e, l.n_block FROM claims c JOIN listings l ON l.name = c.model"
+                           " WHERE c.id=?",
+                           -1, &st, NULL) != SQLITE_OK) {
+        rollback(m);
+        e = reply_db(m, r);
+        goto out;
+    }
+    sqlite3_bind_int64(st, 1, id);
+    if (sqlite3_step(st) != SQLITE_ROW) {
+        sqlite3_finalize(st);
+        rollback(m);
+        e = reply_db(m, r);
+        goto out;
+    }
+    char model[KVS_MARKET_NAME_MAX], edge[65], tok[KVS_RELAY_TOKEN_HEX + 1];
+    snprintf(model, sizeof model, "%s", (const char *)sqlite3_column_text(st, 0));
+    uint32_t ring = (uint32_t)sqlite3_column_int(st, 1), en = (uint32_t)sqlite3_column_int(st, 2),
+             nb = (uint32_t)sqlite3_column_int(st, 3);
+    sqlite3_finalize(st);
+    rollback(m); /* read only */
+    kvs_market_edge_id(model, ring, en >= nb ? 0 : en, edge);
+    if (kvs_relay_token(m->relay_secret, m->relay_secret_len, edge, tok)) {
+        e = reply_error(r, 500, "internal", "cannot make the edge token");
+        goto out;
+    }
+    json_t *rep = json_pack("{sI ss ss}", "id", (json_int_t)id, "edge", edge, "edge_token", tok);
+    if (rep && m->relay_pin[0]) json_object_set_new(rep, "relay_pin", json_string(m->relay_pin));
+    e = reply_json(r, 200, rep);
 out:
     pthread_mutex_unlock(&m->mu);
     return e;
@@ -782,7 +917,8 @@ kvs_err kvs_market_handle(struct kvs_market *m, const char *method, const char *
     if (len > m->p.max_body) return reply_error(r, 413, "too_large", "request body exceeds %zu bytes", m->p.max_body);
     int64_t id = 0;
     const char *verb = NULL;
-    bool is_claim = claim_path(path, &id, &verb) && (!strcmp(verb, "renew") || !strcmp(verb, "release"));
+    bool is_claim = claim_path(path, &id, &verb) &&
+                    (!strcmp(verb, "renew") || !strcmp(verb, "release") || !strcmp(verb, "edge"));
     const char *allow = NULL;
     if (!strcmp(path, "/") || !strcmp(path, "/index.html")) {
         if (get) {
@@ -813,6 +949,7 @@ kvs_err kvs_market_handle(struct kvs_market *m, const char *method, const char *
         allow = "POST";
     } else if (is_claim) {
         if (post && !strcmp(verb, "renew")) return handle_renew(m, id, body, len, now_ms, r);
+        if (post && !strcmp(verb, "edge")) return handle_edge(m, id, body, len, now_ms, r);
         if (post) return handle_release(m, id, body, len, now_ms, r);
         allow = "POST";
     } else {

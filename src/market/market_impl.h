@@ -20,6 +20,9 @@ struct kvs_market {
     int64_t last_alive_ms;     /* last "alive" stamp written to meta */
     struct MHD_Daemon *d;      /* HTTP server, NULL until kvs_market_start */
     uint16_t port;
+    uint8_t relay_secret[256]; /* p.relay_secret copied; relay_secret_len 0: no relay edges */
+    size_t relay_secret_len;
+    char relay_pin[65];        /* p.relay_pin copied, "" none */
 };
 
 /* http:// or https://, printable, no quotes or angle brackets, < KVS_MARKET_URL_MAX */

@@ -455,6 +455,8 @@ static kvs_err parse_listing(json_t *o, struct kvs_market_listing *l, char *errb
             k->end = (uint32_t)ee;
             copy_str(c, "node", k->node, sizeof k->node);
             copy_str(c, "endpoint", k->endpoint, sizeof k->endpoint);
+            copy_str(c, "relay", k->relay, sizeof k->relay);
+            copy_str(c, "pubkey", k->pubkey, sizeof k->pubkey);
             copy_str(c, "api", k->api, sizeof k->api);
             k->ready = json_is_true(json_object_get(c, "ready"));
             json_t *x = json_object_get(c, "expires_ms");

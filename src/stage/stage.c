@@ -319,19 +319,44 @@ void kvs_stage_free(struct kvs_stage *s)
 
 kvs_err kvs_stage_set_next(struct kvs_stage *s, const char *next, char *errbuf, size_t errlen)
 {
+    if (!next) {
+        snprintf(errbuf, errlen, "next address '(null)'");
+        return KVS_ERR_ARG;
+    }
+    return kvs_stage_set_neighbours(s, next, NULL, NULL, errbuf, errlen);
+}
+
+kvs_err kvs_stage_set_neighbours(struct kvs_stage *s, const char *next, const uint8_t next_key[KVS_KEY_PUB_BYTES],
+                                 const uint8_t prev_key[KVS_KEY_PUB_BYTES], char *errbuf, size_t errlen)
+{
     char why[300] = "";
     if (s->solo) {
         snprintf(errbuf, errlen, "stage [%d,%d) holds the whole model: it has no successor", (int)s->begin, (int)s->end);
         return KVS_ERR_ARG;
     }
+    if ((next_key || prev_key) && !s->tls) {
+        snprintf(errbuf, errlen, "stage [%d,%d) has no node key: its links are plaintext (--insecure)", (int)s->begin,
+                 (int)s->end);
+        return KVS_ERR_ARG;
+    }
     bool too_long = next && strlen(next) >= sizeof s->new_next;
-    if (!next || too_long || kvs_st_check_addr(next, false, why, sizeof why) != KVS_OK) {
-        snprintf(errbuf, errlen, "next address '%.200s': %s", next ? next : "(null)", too_long ? "too long" : why);
+    if (next && (too_long || kvs_st_check_addr(next, false, why, sizeof why) != KVS_OK)) {
+        snprintf(errbuf, errlen, "next address '%.200s': %s", next, too_long ? "too long" : why);
         return KVS_ERR_ARG;
     }
     pthread_mutex_lock(&s->mu);
-    snprintf(s->new_next, sizeof s->new_next, "%s", next);
-    s->next_changed = true;
+    if (next) {
+        snprintf(s->new_next, sizeof s->new_next, "%s", next);
+        s->next_changed = true;
+    }
+    if (next_key) {
+        memcpy(s->new_next_key, next_key, KVS_KEY_PUB_BYTES);
+        s->next_key_changed = true;
+    }
+    if (prev_key) {
+        memcpy(s->new_prev_key, prev_key, KVS_KEY_PUB_BYTES);
+        s->prev_key_changed = true;
+    }
     pthread_mutex_unlock(&s->mu);
     wake(s);
     return KVS_OK;

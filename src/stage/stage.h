@@ -133,6 +133,16 @@ void kvs_stage_stop(struct kvs_stage *s);
  * Errors: KVS_ERR_ARG (malformed address, or a whole-model stage, which has
  * no successor); errbuf says why. */
 kvs_err kvs_stage_set_next(struct kvs_stage *s, const char *next, char *errbuf, size_t errlen);
+/* kvs_stage_set_next with the neighbours' keys, for a keyed stage whose neighbours change at run
+ * time (kvasir join: the market's map names them and their public keys). next: the successor's
+ * address, or NULL to keep it; next_key: the key the successor must prove, or NULL to keep it (a
+ * new key with the same address also re-dials); prev_key: the key a predecessor must prove from
+ * now on, or NULL to keep it (a new one closes the in link and the pending links made under the
+ * old key, so the new predecessor's dial is checked against it). Thread-safe; applied by the loop
+ * at its next wake. Errors: KVS_ERR_ARG (as kvs_stage_set_next; a key given to a stage without a
+ * node key). */
+kvs_err kvs_stage_set_neighbours(struct kvs_stage *s, const char *next, const uint8_t next_key[KVS_KEY_PUB_BYTES],
+                                 const uint8_t prev_key[KVS_KEY_PUB_BYTES], char *errbuf, size_t errlen);
 
 /* The port actually listened on (useful with port 0). */
 uint16_t kvs_stage_listen_port(const struct kvs_stage *s);

@@ -181,6 +181,8 @@ struct kvs_stage {
     bool stopped;
     bool next_changed;            /* kvs_stage_set_next: new_next waits for the loop (apply_next) */
     char new_next[256];
+    bool next_key_changed, prev_key_changed; /* kvs_stage_set_neighbours: keys waiting for apply_next */
+    uint8_t new_next_key[KVS_KEY_PUB_BYTES], new_prev_key[KVS_KEY_PUB_BYTES];
     struct queued *queue[MAX_QUEUE];
     int n_queue;
     uint32_t cancels[MAX_CANCELS];

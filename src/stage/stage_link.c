@@ -571,7 +571,6 @@ void kvs_st_dial_next(struct kvs_stage *s)
     char err[300];
     struct kvs_link *l;
     bool relay = kvs_ws_is_url(s->next_addr);
-    if (relay && strstr(s->next_addr, "?token=")) kvs_st_cut_token(s->next_addr, s->next_token); /* kvs_stage_set_next */
     kvs_err e = dial_link(s, s->next_addr, s->next_token, KVS_RELAY_ROLE_UP, relay ? RELAY_DIAL_MS : 500, &l, err, sizeof err);
     if (!e && s->tls) {
         e = kvs_tls_wrap(s->tls, l, KVS_TLS_DIALER, s->p.next_key, &l);

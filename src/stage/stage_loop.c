@@ -162,20 +162,53 @@ static bool in_pending(struct kvs_stage *s)
 static void apply_next(struct kvs_stage *s)
 {
     char nx[sizeof s->new_next];
+    uint8_t nk[KVS_KEY_PUB_BYTES], pk[KVS_KEY_PUB_BYTES];
     pthread_mutex_lock(&s->mu);
-    bool changed = s->next_changed;
-    if (changed) {
-        memcpy(nx, s->new_next, sizeof nx);
-        s->next_changed = false;
+    bool changed = s->next_changed, nk_changed = s->next_key_changed, pk_changed = s->prev_key_changed;
+    if (changed) memcpy(nx, s->new_next, sizeof nx);
+    if (nk_changed) memcpy(nk, s->new_next_key, sizeof nk);
+    if (pk_changed) memcpy(pk, s->new_prev_key, sizeof pk);
+    if (changed || nk_changed) {
         s->out_refusal_code = KVS_OK;
         s->out_refusal[0] = '\0';
     }
+    s->next_changed = s->next_key_changed = s->prev_key_changed = false;
     pthread_mutex_unlock(&s->mu);
-    if (!changed || !strcmp(nx, s->next_addr)) return;
-    KVS_LOGI("stage [%d,%d): successor moves from %s to %s", (int)s->begin, (int)s->end, s->next_addr, nx);
+    if (pk_changed && memcmp(pk, s->p.prev_key, sizeof pk)) {
+        char f0[KVS_KEY_FP_HEX + 1], f1[KVS_KEY_FP_HEX + 1];
+        kvs_key_fingerprint(s->p.prev_key, f0);
+        kvs_key_fingerprint(pk, f1);
+        KVS_LOGI("stage [%d,%d): the predecessor's key is now %s (was %s)", (int)s->begin, (int)s->end, f1, f0);
+        memcpy(s->p.prev_key, pk, sizeof pk);
+        s->p.has_prev_key = true;
+        uint8_t peer[KVS_KEY_PUB_BYTES];
+        if (s->in && (!kvs_tls_peer_key(s->in, peer) || memcmp(peer, pk, sizeof pk)))
+            kvs_st_in_lost(s, "the predecessor changed");
+        for (int i = 0; i < MAX_PENDING_LINKS; i++) /* wrapped expecting the old key */
+            if (s->pend[i].l) kvs_st_pend_close(&s->pend[i]);
+    }
+    bool key_moved = nk_changed && memcmp(nk, s->p.next_key, sizeof nk);
+    if (key_moved) {
+        memcpy(s->p.next_key, nk, sizeof nk);
+        s->p.has_next_key = true;
+    }
+    char tok[KVS_RELAY_TOKEN_HEX + 1] = "";
+    if (changed) kvs_st_cut_token(nx, tok); /* compared and logged without its edge token */
+    bool addr_moved = changed && (strcmp(nx, s->next_addr) || strcmp(tok, s->next_token));
+    if (!addr_moved && !key_moved) return;
+    if (addr_moved) {
+        KVS_LOGI("stage [%d,%d): successor moves from %s to %s", (int)s->begin, (int)s->end, s->next_addr, nx);
+    } else {
+        char f1[KVS_KEY_FP_HEX + 1];
+        kvs_key_fingerprint(nk, f1);
+        KVS_LOGI("stage [%d,%d): the successor's key is now %s", (int)s->begin, (int)s->end, f1);
+    }
     if (s->out) kvs_st_out_lost(s, "the successor moved");
-    snprintf(s->next_addr, sizeof s->next_addr, "%s", nx);
-    s->p.next = s->next_addr;
+    if (addr_moved) {
+        snprintf(s->next_addr, sizeof s->next_addr, "%s", nx);
+        memcpy(s->next_token, tok, sizeof tok);
+        s->p.next = s->next_addr;
+    }
     s->out_attempt = 0;
     s->out_refused = 0;
     s->out_warned = false;

@@ -125,6 +125,12 @@ L_WANT=$(timeout 60 "$BIN" run -m "$T/seed/llama-q4_k_m.gguf" -p "Once upon a ti
 got=$(complete "$L_API" 16)
 [[ -n $L_WANT && $got == "$L_WANT" ]] || fail "llama ring served '$got', single process '$L_WANT'"
 echo "ok: both rings serve: aidreams reference text, llama-q4_k_m == single process"
+# every link is TLS between the node keys the claims publish (no plaintext link, no --insecure)
+for n in a b c d e; do
+  grep -q 'links: TLS 1.3, this node' "$T/$n.log" || fail "node $n: its links are not TLS between node keys"
+  if grep -q 'plaintext' "$T/$n.log"; then fail "node $n: a plaintext link"; fi
+done
+echo "ok: every node's links are TLS 1.3, keyed by the node keys in the neighbours' claims"
 
 # the ledger: each head signs a receipt for its ring's tokens with the key in its claim; the market
 # credits every window's node tokens x blocks (docs/MARKET.md "Ledger")
