@@ -853,9 +853,10 @@ static kvs_err handle_read(struct kvs_market *m, bool rings_only, int64_t now, s
             size_t ci;
             json_t *c;
             json_array_foreach(json_object_get(ring, "claims"), ci, c)
-                json_array_append_new(windows, json_pack("{sO sO sO sO}", "node", json_object_get(c, "node"), "begin",
+                json_array_append_new(windows, json_pack("{sO sO sO sO sO}", "node", json_object_get(c, "node"), "begin",
                                                          json_object_get(c, "begin"), "end", json_object_get(c, "end"),
-                                                         "endpoint", json_object_get(c, "endpoint")));
+                                                         "endpoint", json_object_get(c, "endpoint"), "relay",
+                                                         json_object_get(c, "relay")));
             json_array_append_new(out, json_pack("{sO sO sO sO so}", "model", json_object_get(mo, "name"),
                                                  "fingerprint", json_object_get(mo, "fingerprint"), "ring",
                                                  json_object_get(ring, "ring"), "api", json_object_get(ring, "api"),

@@ -15,6 +15,7 @@
 #include <cmocka.h>
 #include <jansson.h>
 
+#include "link/link.h"
 #include "market/market.h"
 #include "plan/plan.h"
 
@@ -487,6 +488,118 @@ static void test_races(void **state)
     kvs_market_close(m);
 }
 
+/* Relay claims (docs/MARKET.md "Relay claims"): a market without a relay secret refuses them and
+ * its edge route; with one, the claim's in link is the edge MODEL-rR-bB under the relay's URL, the
+ * claimant gets its token, the holder of the window before it gets the same token from
+ * /v1/claims/ID/edge (the tail: the edge into block 0), a stranger's token gets 403. */
+static void test_relay_claims(void **state)
+{
+    (void)state;
+    static const char secret[] = "test-relay-secret-0123456789";
+    char *out = NULL, body[512], tok[KVS_RELAY_TOKEN_HEX + 1];
+    /* no secret: refused, nothing changes */
+    struct kvs_market *m = open_toy(":memory:", 10000);
+    char *before = map_at(m, T0);
+    const char *rc = "{\"model\":\"toy\",\"begin\":2,\"end\":3,\"node\":\"ph\",\"relay\":\"wss://10.0.0.1\",\"pubkey\":\"\"}";
+    assert_int_equal(req(m, "POST", "/v1/claims", rc, T0, &out), 400);
+    assert_non_null(strstr(out, "no_relay"));
+    free(out);
+    char a_tok[33];
+    int64_t a = claim_ok(m, "a", 0, 2, T0, a_tok);
+    snprintf(body, sizeof body, "{\"token\":\"%s\"}", a_tok);
+    char path[64];
+    snprintf(path, sizeof path, "/v1/claims/%lld/edge", (long long)a);
+    assert_int_equal(req(m, "POST", path, body, T0, NULL), 404);
+    free(before);
+    kvs_market_close(m);
+
+    /* with the secret and a pin */
+    struct kvs_market_params p = kvs_market_default_params();
+    p.db_path = ":memory:";
+    p.relay_secret = (const uint8_t *)secret;
+    p.relay_secret_len = strlen(secret);
+    p.relay_pin = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    char err[256];
+    assert_int_equal(kvs_market_open(&p, &m, err, sizeof err), KVS_OK);
+    struct kvs_market_listing_req q = { .rings = 2, .seqs = 1 };
+    snprintf(q.name, sizeof q.name, "toy");
+    snprintf(q.url, sizeof q.url, "http://127.0.0.1:1/toy.gguf");
+    struct kvs_plan_model *pm = toy_profile();
+    assert_int_equal(kvs_market_add_listing(m, &q, pm, err, sizeof err), KVS_OK);
+    free(pm);
+    /* a relay URL with a path, or another scheme: refused */
+    const char *bad[] = { "wss://10.0.0.1/edge/x", "http://10.0.0.1", "wss://", "wss://a b" };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        snprintf(body, sizeof body, "{\"model\":\"toy\",\"begin\":2,\"end\":3,\"node\":\"ph\",\"relay\":\"%s\"}", bad[i]);
+        assert_int_equal(req(m, "POST", "/v1/claims", body, T0, NULL), 400);
+    }
+    assert_int_equal(req(m, "POST", "/v1/claims", rc, T0, &out), 201);
+    json_t *j = json_loads(out, 0, NULL);
+    free(out);
+    assert_string_equal(json_string_value(json_object_get(j, "relay")), "wss://10.0.0.1/edge/toy-r0-b2");
+    assert_string_equal(json_string_value(json_object_get(j, "edge")), "toy-r0-b2");
+    assert_int_equal(kvs_relay_token(secret, strlen(secret), "toy-r0-b2", tok), KVS_OK);
+    assert_string_equal(json_string_value(json_object_get(j, "edge_token")), tok);
+    assert_string_equal(json_string_value(json_object_get(j, "relay_pin")), p.relay_pin);
+    int64_t ph = json_integer_value(json_object_get(j, "id"));
+    json_decref(j);
+    /* the map names the edge, never its token */
+    struct kvs_market_map map;
+    parsed_map(m, T0, &map);
+    const struct kvs_market_claim *c = kvs_market_claim_at(&map.listings[0], 0, 2);
+    assert_non_null(c);
+    assert_int_equal(c->id, ph);
+    assert_string_equal(c->relay, "wss://10.0.0.1/edge/toy-r0-b2");
+    assert_string_equal(c->endpoint, "");
+    kvs_market_map_free(&map);
+    char *mp = map_at(m, T0);
+    assert_null(strstr(mp, tok));
+    free(mp);
+    /* the predecessor [0,2) gets the token of the edge into block 2; the tail [3,4) that of block 0 */
+    a = claim_ok(m, "a", 0, 2, T0, a_tok);
+    char c_tok[33];
+    int64_t ct = claim_ok(m, "c", 3, 4, T0, c_tok);
+    snprintf(path, sizeof path, "/v1/claims/%lld/edge", (long long)a);
+    snprintf(body, sizeof body, "{\"token\":\"%s\"}", a_tok);
+    assert_int_equal(req(m, "POST", path, body, T0, &out), 200);
+    j = json_loads(out, 0, NULL);
+    free(out);
+    assert_string_equal(json_string_value(json_object_get(j, "edge")), "toy-r0-b2");
+    assert_string_equal(json_string_value(json_object_get(j, "edge_token")), tok);
+    json_decref(j);
+    snprintf(body, sizeof body, "{\"token\":\"%s\"}", c_tok); /* c's token on a's claim */
+    assert_int_equal(req(m, "POST", path, body, T0, NULL), 403);
+    snprintf(path, sizeof path, "/v1/claims/%lld/edge", (long long)ct);
+    assert_int_equal(req(m, "POST", path, body, T0, &out), 200);
+    j = json_loads(out, 0, NULL);
+    free(out);
+    assert_string_equal(json_string_value(json_object_get(j, "edge")), "toy-r0-b0");
+    assert_int_equal(kvs_relay_token(secret, strlen(secret), "toy-r0-b0", tok), KVS_OK);
+    assert_string_equal(json_string_value(json_object_get(j, "edge_token")), tok);
+    json_decref(j);
+    /* an expired claim gets nothing */
+    assert_int_equal(req(m, "POST", path, body, T0 + 10 * KVS_MARKET_LEASE_DEFAULT_MS, NULL), 404);
+    kvs_market_close(m);
+
+    /* edge ids: readable when they fit 64 bytes, else hashed; always a valid edge id */
+    char id[65];
+    kvs_market_edge_id("aidreams260K", 0, 2, id);
+    assert_string_equal(id, "aidreams260K-r0-b2");
+    char lng[64];
+    memset(lng, 'x', 63);
+    lng[63] = '\0';
+    kvs_market_edge_id(lng, 63, 4000000000u, id);
+    assert_true(strlen(id) <= 64 && id[0] == 'h');
+    assert_non_null(strstr(id, "-r63-b4000000000"));
+    assert_int_equal(kvs_relay_token(secret, strlen(secret), id, tok), KVS_OK);
+    /* bad params */
+    p.relay_secret_len = 8;
+    assert_int_equal(kvs_market_open(&p, &m, err, sizeof err), KVS_ERR_ARG);
+    p.relay_secret_len = strlen(secret);
+    p.relay_pin = "xyz";
+    assert_int_equal(kvs_market_open(&p, &m, err, sizeof err), KVS_ERR_ARG);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -494,6 +607,7 @@ int main(void)
         cmocka_unit_test(test_bad_input_changes_nothing),
         cmocka_unit_test(test_leases_and_reward), cmocka_unit_test(test_choose),
         cmocka_unit_test(test_restart_keeps_claims), cmocka_unit_test(test_races),
+        cmocka_unit_test(test_relay_claims),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
