@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 #include <jansson.h>
@@ -19,10 +20,22 @@
 #define T0 1700000000000ll
 #define CID "657c6b273193a9fceb570071aaf7a161cf0d258f62cb9b13cf151dcd8c5c112f"
 
-static struct kvs_market *open_toy(void)
+static struct kvs_market *open_db(const char *path)
 {
     struct kvs_market_params p = kvs_market_default_params();
-    p.db_path = ":memory:";
+    p.db_path = path;
+    p.lease_ms = 60000;
+    p.max_body = 65536;
+    struct kvs_market *m = NULL;
+    char err[256];
+    assert_int_equal(kvs_market_open(&p, &m, err, sizeof err), KVS_OK);
+    return m;
+}
+
+static struct kvs_market *open_toy(const char *path)
+{
+    struct kvs_market_params p = kvs_market_default_params();
+    p.db_path = path;
     p.lease_ms = 60000;
     p.max_body = 65536;
     struct kvs_market *m = NULL;
@@ -110,7 +123,11 @@ static void test_ledger(void **state)
     assert_int_equal(kvs_key_generate(&mid), KVS_OK);
     assert_int_equal(kvs_key_generate(&tail), KVS_OK);
     assert_int_equal(kvs_key_generate(&stranger), KVS_OK);
-    struct kvs_market *m = open_toy();
+    char path[] = "/tmp/kvs-test-ledger-XXXXXX"; /* a file: the ledger must survive a restart */
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    struct kvs_market *m = open_toy(path);
     int64_t c0 = claim(m, "toy", "a", 0, 1, head), c1 = claim(m, "toy", "b", 1, 3, mid), c2 = claim(m, "toy", "c", 3, 4, tail);
     int64_t o0 = claim(m, "other", "d", 0, 4, stranger);
     char *empty = ledger(m);
@@ -219,6 +236,18 @@ static void test_ledger(void **state)
     assert_int_equal(json_integer_value(json_object_get(j, "receipts")), 2);
     assert_int_equal(json_integer_value(json_object_get(json_array_get(json_object_get(j, "nodes"), 0), "credit")), 214);
     json_decref(j);
+    /* a restart: the market reopened from its SQLite file shows the same ledger, and the counted
+     * receipt is still counted (a duplicate, nothing credited) */
+    kvs_market_close(m);
+    m = open_db(path);
+    char *l3 = ledger(m);
+    assert_string_equal(l3, l2);
+    free(l3);
+    assert_int_equal(post(m, body, code), 200);
+    assert_string_equal(code, "duplicate");
+    l3 = ledger(m);
+    assert_string_equal(l3, l2);
+    free(l3);
     free(l2);
     free(l);
     free(body);
@@ -228,6 +257,7 @@ static void test_ledger(void **state)
     assert_int_equal(kvs_market_receipt_sign(&good, mid, &none), KVS_ERR_ARG);
     assert_null(none);
     kvs_market_close(m);
+    unlink(path);
     kvs_key_free(head);
     kvs_key_free(mid);
     kvs_key_free(tail);
