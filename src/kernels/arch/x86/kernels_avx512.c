@@ -640,30 +640,42 @@ static void kvs_avx512_f16_mad(uint16_t *y, const uint16_t *x, float s, int64_t 
         kvs_ref_f16_mad(y + np, x + np, s, n - np);
 }
 
-/* --- Q4_K / Q5_K decode (one token) ----------------------------------------
+/* --- Q4_K / Q5_K / Q6_K decode (one token) -------------------------------
  *
  * A tile of R <= 4 weight rows against the one packed activation row
  * (KVS_PACKK layout): per super-block the activation's 256 quants are loaded
- * once for all R rows as 4 registers of 64 (chunk c: elements 64c..64c+63,
- * which are the low nibbles then the high nibbles of the row's 32 quant
- * bytes c, i.e. sub-blocks 2c and 2c + 1). Per row and chunk the 32 bytes
- * are broadcast to both halves and shifted by 0 / 4 (one variable shift and
- * one AND unpack 64 quants), the Q5_K fifth bits come from one byte test of
- * qh, and one maddubs (u8 x s8 pairs -> int16, |pair| <= 2 * 31 * 128)
- * and one vpdpwssd with the sub-block scales (one in-lane shuffle of the
- * row's 8 scales) accumulate into int32. The per-row reductions, the mins
- * (sum mn_j * pair sum_j) and the float combine run once per super-block
- * for the R rows together in 128-bit lanes; each lane computes exactly
- * sum += d * d_y * sa - dmin * d_y * sm in the scalar order, so results
- * equal kvs_x86_dot_q4_K / _q5_K bit for bit (as the prefill GEMM does). */
-static inline __attribute__((always_inline)) void kvs_avx512_kq45_gemv(const int type, const int R, int64_t nb,
-                                                                       const char *w, size_t w_stride,
-                                                                       const char *a, float *y)
+ * once for all R rows as 4 registers of 64 (chunk c: elements 64c..64c+63).
+ * Per row and chunk one register of 64 unsigned quants is unpacked:
+ * - Q4_K/Q5_K: chunk c is the low then the high nibbles of the row's 32
+ *   quant bytes c (sub-blocks 2c and 2c + 1); the bytes are broadcast to
+ *   both halves and shifted by 0 / 4 (one variable shift and one AND), the
+ *   Q5_K fifth bits come from one byte test of qh;
+ * - Q6_K: chunk 2h + p is the low (p = 0) or high (p = 1) nibbles of the
+ *   64 bytes ql[64h..64h+63] with bits 4-5 from qh[32h..32h+31] (both
+ *   halves), bits 0-1 / 2-3 (p = 0) or 4-5 / 6-7 (p = 1) as the scalar
+ *   unpacks them: v = q + 32 in 0..63.
+ * Then one maddubs (u8 x s8 pairs -> int16, |pair| <= 2 * 63 * 128) and one
+ * vpdpwssd with the sub-block scales (Q4_K/Q5_K: one in-lane shuffle of the
+ * row's 8 scales; Q6_K: one word permute of its 16) accumulate into int32.
+ * The per-row reductions, the mins (sum mn_j * pair sum_j) or the Q6_K
+ * offset (32 * sum scale_s * bsums_s) and the float combine run once per
+ * super-block for the R rows together in 128-bit lanes; each lane computes
+ * exactly sum += d * d_y * sa - dmin * d_y * sm (Q6_K: sum += d * d_y * sa)
+ * in the scalar order, so results equal kvs_x86_dot_q4_K / _q5_K / _q6_K
+ * bit for bit (as the prefill GEMM does). */
+static inline __attribute__((always_inline)) void kvs_avx512_kq_gemv(const int type, const int R, int64_t nb,
+                                                                     const char *w, size_t w_stride,
+                                                                     const char *a, float *y)
 {
-    const size_t bb = type == KVS_TYPE_Q4_K ? sizeof(kvs_block_q4_K) : sizeof(kvs_block_q5_K);
+    const size_t bb = type == KVS_TYPE_Q4_K   ? sizeof(kvs_block_q4_K)
+                      : type == KVS_TYPE_Q5_K ? sizeof(kvs_block_q5_K)
+                                              : sizeof(kvs_block_q6_K);
     const size_t qs_off = type == KVS_TYPE_Q4_K ? offsetof(kvs_block_q4_K, qs) : offsetof(kvs_block_q5_K, qs);
-    const __m512i m4 = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10), m30 = _mm512_set1_epi8(0x30);
     const __m512i shv = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    /* Q6_K: qh bits to bits 4-5 of each byte: << 4 / << 2 (p = 0), >> 0 / >> 2 (p = 1) */
+    const __m512i sh6l = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i sh6r = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     __m128 accf = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const char *ab = a + (size_t)i * KVS_PACKK_BYTES;
@@ -672,14 +684,17 @@ static inline __attribute__((always_inline)) void kvs_avx512_kq45_gemv(const int
         for (int c = 0; c < 4; c++)
             A[c] = _mm512_loadu_si512((const void *)(ab + 64 * c));
         const __m128i ps = _mm_loadu_si128((const __m128i *)(ab + KVS_PACKK_PSUMS));
+        const __m256i bsums = _mm256_loadu_si256((const __m256i *)(ab + KVS_PACKK_BSUMS));
         __m512i sa[4];
+        __m256i off[4];
         __m128i sm[4];
-        uint32_t dpair[4] = {0, 0, 0, 0}; /* per row: d, dmin (two F16) */
+        uint32_t dpair[4] = {0, 0, 0, 0}; /* per row: d, dmin (two F16; Q6_K: d, 0) */
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
+            off[r] = _mm256_setzero_si256();
+            sm[r] = _mm_setzero_si128();
             if (r >= R) {
                 sa[r] = _mm512_setzero_si512();
-                sm[r] = _mm_setzero_si128();
                 continue;
             }
             const char *wb = w + (size_t)r * w_stride + (size_t)i * bb;
@@ -687,51 +702,83 @@ static inline __attribute__((always_inline)) void kvs_avx512_kq45_gemv(const int
             _mm_prefetch(wb + KVS_X86_KQ_PREFETCH, _MM_HINT_T0);
             _mm_prefetch(wb + KVS_X86_KQ_PREFETCH + 64, _MM_HINT_T0);
             _mm_prefetch(wb + KVS_X86_KQ_PREFETCH + 128, _MM_HINT_T0);
+            if (type == KVS_TYPE_Q6_K)
+                _mm_prefetch(wb + KVS_X86_KQ_PREFETCH + 192, _MM_HINT_T0);
 #endif
 #if KVS_X86_KQ_PREFETCH_L2 > 0
             _mm_prefetch(wb + KVS_X86_KQ_PREFETCH_L2, _MM_HINT_T1);
             _mm_prefetch(wb + KVS_X86_KQ_PREFETCH_L2 + 64, _MM_HINT_T1);
             _mm_prefetch(wb + KVS_X86_KQ_PREFETCH_L2 + 128, _MM_HINT_T1);
+            if (type == KVS_TYPE_Q6_K)
+                _mm_prefetch(wb + KVS_X86_KQ_PREFETCH_L2 + 192, _MM_HINT_T1);
 #endif
-            memcpy(&dpair[r], wb, 4);
-            uint64_t sc8, mn8;
-            kvs_x86_q4k_scales8((const uint8_t *)wb + 4, &sc8, &mn8);
-            const __m512i S = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
-            sm[r] = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn8)), ps);
-            __m512i H = _mm512_setzero_si512();
-            if (type == KVS_TYPE_Q5_K)
-                H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wb + offsetof(kvs_block_q5_K, qh))));
             __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wb + qs_off + 32 * c)));
-                __m512i u = _mm512_and_si512(_mm512_srlv_epi16(q, shv), m4);
-                if (type == KVS_TYPE_Q5_K) {
-                    /* bit 2c of qh[l] for the low half, bit 2c + 1 for the high half */
-                    const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
-                                                           _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
-                    u = _mm512_mask_add_epi8(u, _mm512_test_epi8_mask(H, bit), u, b4);
+            if (type == KVS_TYPE_Q6_K) {
+                const kvs_block_q6_K *x = (const kvs_block_q6_K *)wb;
+                uint16_t d16;
+                memcpy(&d16, &x->d, 2);
+                dpair[r] = d16;
+                const __m256i S16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
+                const __m512i S = _mm512_castsi256_si512(S16);
+                off[r] = _mm256_slli_epi32(_mm256_madd_epi16(S16, bsums), 5);
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    const __m512i L = _mm512_loadu_si512((const void *)(x->ql + 64 * h));
+                    const __m512i Q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->qh + 32 * h)));
+                    const __m512i v0 = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_and_si512(_mm512_sllv_epi16(Q, sh6l), m30));
+                    const __m512i v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                                       _mm512_and_si512(_mm512_srlv_epi16(Q, sh6r), m30));
+                    /* word k of chunk c = 2h + p: scale 4c + k / 8 (one per 128-bit lane) */
+                    const __m512i i0 = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_set1_epi16((short)(8 * h)),
+                                                                       _mm_set1_epi16((short)(8 * h + 1)), 1)),
+                        _mm256_inserti128_si256(_mm256_set1_epi16((short)(8 * h + 2)), _mm_set1_epi16((short)(8 * h + 3)), 1), 1);
+                    const __m512i i1 = _mm512_add_epi16(i0, _mm512_set1_epi16(4));
+                    acc0 = _mm512_dpwssd_epi32(acc0, _mm512_maddubs_epi16(v0, A[2 * h]), _mm512_permutexvar_epi16(i0, S));
+                    acc1 = _mm512_dpwssd_epi32(acc1, _mm512_maddubs_epi16(v1, A[2 * h + 1]), _mm512_permutexvar_epi16(i1, S));
                 }
-                /* words of lanes 0-1: scale 2c, lanes 2-3: scale 2c + 1 */
-                const __m512i si = _mm512_inserti64x4(
-                    _mm512_set1_epi16((short)((4 * c) | (4 * c + 1) << 8)),
-                    _mm256_set1_epi16((short)((4 * c + 2) | (4 * c + 3) << 8)), 1);
-                const __m512i p = _mm512_maddubs_epi16(u, A[c]);
-                if (c & 1)
-                    acc1 = _mm512_dpwssd_epi32(acc1, p, _mm512_shuffle_epi8(S, si));
-                else
-                    acc0 = _mm512_dpwssd_epi32(acc0, p, _mm512_shuffle_epi8(S, si));
+            } else {
+                memcpy(&dpair[r], wb, 4); /* d, dmin */
+                uint64_t sc8, mn8;
+                kvs_x86_q4k_scales8((const uint8_t *)wb + 4, &sc8, &mn8);
+                const __m512i S = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
+                sm[r] = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn8)), ps);
+                __m512i H = _mm512_setzero_si512();
+                if (type == KVS_TYPE_Q5_K)
+                    H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wb + offsetof(kvs_block_q5_K, qh))));
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) {
+                    const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wb + qs_off + 32 * c)));
+                    __m512i u = _mm512_and_si512(_mm512_srlv_epi16(q, shv), m4);
+                    if (type == KVS_TYPE_Q5_K) {
+                        /* bit 2c of qh[l] for the low half, bit 2c + 1 for the high half */
+                        const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
+                                                               _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
+                        u = _mm512_mask_add_epi8(u, _mm512_test_epi8_mask(H, bit), u, b4);
+                    }
+                    /* words of lanes 0-1: scale 2c, lanes 2-3: scale 2c + 1 */
+                    const __m512i si = _mm512_inserti64x4(
+                        _mm512_set1_epi16((short)((4 * c) | (4 * c + 1) << 8)),
+                        _mm256_set1_epi16((short)((4 * c + 2) | (4 * c + 3) << 8)), 1);
+                    const __m512i p = _mm512_maddubs_epi16(u, A[c]);
+                    if (c & 1)
+                        acc1 = _mm512_dpwssd_epi32(acc1, p, _mm512_shuffle_epi8(S, si));
+                    else
+                        acc0 = _mm512_dpwssd_epi32(acc0, p, _mm512_shuffle_epi8(S, si));
+                }
             }
             sa[r] = _mm512_add_epi32(acc0, acc1);
         }
-        /* [sa_0..sa_3] and [sm_0..sm_3] */
+        /* [sa_0..sa_3] and [sm_0..sm_3] (Q6_K: the offset taken out of sa) */
         __m256i f[4];
 #pragma GCC unroll 4
-        for (int r = 0; r < 4; r++)
+        for (int r = 0; r < 4; r++) {
             f[r] = _mm256_add_epi32(_mm512_castsi512_si256(sa[r]), _mm512_extracti64x4_epi64(sa[r], 1));
+            if (type == KVS_TYPE_Q6_K)
+                f[r] = _mm256_sub_epi32(f[r], off[r]);
+        }
         const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(f[0], f[1]), _mm256_hadd_epi32(f[2], f[3]));
         const __m128i sa4 = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-        const __m128i sm4 = _mm_hadd_epi32(_mm_hadd_epi32(sm[0], sm[1]), _mm_hadd_epi32(sm[2], sm[3]));
         /* d of the rows in lanes 0-3, dmin in 4-7 */
         const __m128i dd = _mm_loadu_si128((const __m128i *)dpair);
         const __m256 dm = _mm256_cvtph_ps(_mm_packus_epi32(_mm_and_si128(dd, _mm_set1_epi32(0xFFFF)), _mm_srli_epi32(dd, 16)));
@@ -739,8 +786,13 @@ static inline __attribute__((always_inline)) void kvs_avx512_kq45_gemv(const int
         memcpy(&dyf, ab + KVS_PACKK_D, 4);
         const __m128 dy = _mm_set1_ps(dyf);
         const __m128 t1 = _mm_mul_ps(_mm_mul_ps(_mm256_castps256_ps128(dm), dy), _mm_cvtepi32_ps(sa4));
-        const __m128 t2 = _mm_mul_ps(_mm_mul_ps(_mm256_extractf128_ps(dm, 1), dy), _mm_cvtepi32_ps(sm4));
-        accf = _mm_add_ps(accf, _mm_sub_ps(t1, t2));
+        if (type == KVS_TYPE_Q6_K) {
+            accf = _mm_add_ps(accf, t1);
+        } else {
+            const __m128i sm4 = _mm_hadd_epi32(_mm_hadd_epi32(sm[0], sm[1]), _mm_hadd_epi32(sm[2], sm[3]));
+            const __m128 t2 = _mm_mul_ps(_mm_mul_ps(_mm256_extractf128_ps(dm, 1), dy), _mm_cvtepi32_ps(sm4));
+            accf = _mm_add_ps(accf, _mm_sub_ps(t1, t2));
+        }
     }
     float out[4];
     _mm_storeu_ps(out, accf);
@@ -749,10 +801,12 @@ static inline __attribute__((always_inline)) void kvs_avx512_kq45_gemv(const int
         y[r] = out[r];
 }
 
-static inline __attribute__((always_inline)) void kvs_avx512_kq45_gemm(const int type, int64_t n, const void *w,
-                                                                       size_t w_stride, int64_t nr, const void *a,
-                                                                       size_t a_stride, int64_t nt, float *y,
-                                                                       size_t y_stride)
+/* Q4_K/Q5_K/Q6_K GEMM: decode (one token) with kvs_avx512_kq_gemv, prompts
+ * with the shared x86 tiles (kvs_x86_kq_gemm). */
+static inline __attribute__((always_inline)) void kvs_avx512_kq_gemm(const int type, int64_t n, const void *w,
+                                                                     size_t w_stride, int64_t nr, const void *a,
+                                                                     size_t a_stride, int64_t nt, float *y,
+                                                                     size_t y_stride)
 {
     if (nt != 1) {
         kvs_x86_kq_gemm(type, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
@@ -762,12 +816,12 @@ static inline __attribute__((always_inline)) void kvs_avx512_kq45_gemm(const int
     const char *W = w;
     int64_t r = 0;
     for (; r + 4 <= nr; r += 4)
-        kvs_avx512_kq45_gemv(type, 4, nb, W + (size_t)r * w_stride, w_stride, a, y + r);
+        kvs_avx512_kq_gemv(type, 4, nb, W + (size_t)r * w_stride, w_stride, a, y + r);
     const char *wr = W + (size_t)r * w_stride;
     switch (nr - r) {
-    case 1: kvs_avx512_kq45_gemv(type, 1, nb, wr, w_stride, a, y + r); break;
-    case 2: kvs_avx512_kq45_gemv(type, 2, nb, wr, w_stride, a, y + r); break;
-    case 3: kvs_avx512_kq45_gemv(type, 3, nb, wr, w_stride, a, y + r); break;
+    case 1: kvs_avx512_kq_gemv(type, 1, nb, wr, w_stride, a, y + r); break;
+    case 2: kvs_avx512_kq_gemv(type, 2, nb, wr, w_stride, a, y + r); break;
+    case 3: kvs_avx512_kq_gemv(type, 3, nb, wr, w_stride, a, y + r); break;
     default: break;
     }
 }
@@ -775,13 +829,19 @@ static inline __attribute__((always_inline)) void kvs_avx512_kq45_gemm(const int
 static void kvs_avx512_gemm_q4_K(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a, size_t a_stride,
                                  int64_t nt, float *y, size_t y_stride)
 {
-    kvs_avx512_kq45_gemm(KVS_TYPE_Q4_K, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
+    kvs_avx512_kq_gemm(KVS_TYPE_Q4_K, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
 }
 
 static void kvs_avx512_gemm_q5_K(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a, size_t a_stride,
                                  int64_t nt, float *y, size_t y_stride)
 {
-    kvs_avx512_kq45_gemm(KVS_TYPE_Q5_K, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
+    kvs_avx512_kq_gemm(KVS_TYPE_Q5_K, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
+}
+
+static void kvs_avx512_gemm_q6_K(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a, size_t a_stride,
+                                 int64_t nt, float *y, size_t y_stride)
+{
+    kvs_avx512_kq_gemm(KVS_TYPE_Q6_K, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
 }
 
 #define KVS_AVX512_ENTRIES                                                                           \
@@ -791,6 +851,7 @@ static void kvs_avx512_gemm_q5_K(int64_t n, const void *w, size_t w_stride, int6
     .pack_act[KVS_TYPE_Q8_0] = kvs_avx512_pack_q8_0, .pack_act[KVS_TYPE_Q4_0] = kvs_avx512_pack_q4_0, \
     .gemm[KVS_TYPE_Q8_0] = kvs_avx512_gemm_q8_0, .gemm[KVS_TYPE_Q4_0] = kvs_avx512_gemm_q4_0,       \
     .gemm[KVS_TYPE_Q4_K] = kvs_avx512_gemm_q4_K, .gemm[KVS_TYPE_Q5_K] = kvs_avx512_gemm_q5_K,       \
+    .gemm[KVS_TYPE_Q6_K] = kvs_avx512_gemm_q6_K,                                                    \
     .gemm_packed[KVS_TYPE_Q8_0] = kvs_avx512_gemm_packed_q8_0,                                      \
     .quant_act[KVS_TYPE_F16] = kvs_avx512_quant_f16, .dot[KVS_TYPE_F16] = kvs_avx512_dot_f16,       \
     .dot_gemm[KVS_TYPE_F16] = kvs_avx512_dot_gemm_f16, .f16_scale = kvs_avx512_f16_scale,           \
