@@ -826,6 +826,120 @@ static inline __attribute__((always_inline)) void kvs_avx512_kq_gemm(const int t
     }
 }
 
+/* --- Q2_K decode (one token) --------------------------------------------
+ *
+ * The same tiling as kvs_avx512_kq_gemv: R <= 4 weight rows against one
+ * packed activation row (KVS_PACKK layout, 4 registers of 64 quants loaded
+ * once per super-block for all rows). Element 128h + 32j + l is bits 2j,
+ * 2j + 1 of qs[32h + l], so register c = 2h + p (elements 64c..64c+63) is
+ * qs[32h..32h+31] broadcast to both halves, shifted by 4p / 4p + 2 (one
+ * variable 16-bit shift) and ANDed with 3; its words k carry 16-element
+ * sub-block 4c + k / 8, whose 4-bit scale one word permute of the row's 16
+ * puts there; one maddubs (|pair| <= 2 * 3 * 128) and one vpdpwssd per 64
+ * elements. The mins (sum (scales[s] >> 4) * bsums[s]) by one madd; the 4
+ * rows' sums are reduced together and combined lane by lane exactly as
+ * kvs_x86_dot_q2_K does: sum += d * d_y * sa - dmin * d_y * sm, super-blocks
+ * in order (the same results bit for bit). */
+static inline __attribute__((always_inline)) void kvs_avx512_q2k_gemv(const int R, int64_t nb, const char *w,
+                                                                      size_t w_stride, const char *a, float *y)
+{
+    const __m512i m3 = _mm512_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    /* shifts of register 2h + p: 4p (low half), 4p + 2 (high half) */
+    const __m512i sh0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i sh1 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    __m128 accf = _mm_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const char *ab = a + (size_t)i * KVS_PACKK_BYTES;
+        __m512i A[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++)
+            A[c] = _mm512_loadu_si512((const void *)(ab + 64 * c));
+        const __m256i bsums = _mm256_loadu_si256((const __m256i *)(ab + KVS_PACKK_BSUMS));
+        __m256i f[4], g[4];
+        uint32_t dpair[4] = {0, 0, 0, 0}; /* per row: d, dmin (two F16) */
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            if (r >= R) {
+                f[r] = g[r] = _mm256_setzero_si256();
+                continue;
+            }
+            const kvs_block_q2_K *x = (const kvs_block_q2_K *)(w + (size_t)r * w_stride + (size_t)i * sizeof(kvs_block_q2_K));
+#if KVS_X86_KQ_PREFETCH > 0
+            _mm_prefetch((const char *)x + KVS_X86_KQ_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)x + KVS_X86_KQ_PREFETCH + 64, _MM_HINT_T0);
+#endif
+#if KVS_X86_KQ_PREFETCH_L2 > 0
+            _mm_prefetch((const char *)x + KVS_X86_KQ_PREFETCH_L2, _MM_HINT_T1);
+            _mm_prefetch((const char *)x + KVS_X86_KQ_PREFETCH_L2 + 64, _MM_HINT_T1);
+#endif
+            memcpy(&dpair[r], &x->d, 4); /* d, dmin */
+            const __m128i sc = _mm_loadu_si128((const __m128i *)x->scales);
+            const __m512i S = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(sc, m4)));
+            g[r] = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), m4)), bsums);
+            __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m512i Q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->qs + 32 * h)));
+                /* word k of register c = 2h + p: scale 4c + k / 8 (one per 128-bit lane) */
+                const __m512i i0 = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_set1_epi16((short)(8 * h)),
+                                                                   _mm_set1_epi16((short)(8 * h + 1)), 1)),
+                    _mm256_inserti128_si256(_mm256_set1_epi16((short)(8 * h + 2)), _mm_set1_epi16((short)(8 * h + 3)), 1), 1);
+                const __m512i i1 = _mm512_add_epi16(i0, _mm512_set1_epi16(4));
+                const __m512i v0 = _mm512_and_si512(_mm512_srlv_epi16(Q, sh0), m3);
+                const __m512i v1 = _mm512_and_si512(_mm512_srlv_epi16(Q, sh1), m3);
+                acc0 = _mm512_dpwssd_epi32(acc0, _mm512_maddubs_epi16(v0, A[2 * h]), _mm512_permutexvar_epi16(i0, S));
+                acc1 = _mm512_dpwssd_epi32(acc1, _mm512_maddubs_epi16(v1, A[2 * h + 1]), _mm512_permutexvar_epi16(i1, S));
+            }
+            const __m512i acc = _mm512_add_epi32(acc0, acc1);
+            f[r] = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+        }
+        /* [sa_0..sa_3], [sm_0..sm_3] */
+        const __m256i hs = _mm256_hadd_epi32(_mm256_hadd_epi32(f[0], f[1]), _mm256_hadd_epi32(f[2], f[3]));
+        const __m256i hm = _mm256_hadd_epi32(_mm256_hadd_epi32(g[0], g[1]), _mm256_hadd_epi32(g[2], g[3]));
+        const __m128i sa4 = _mm_add_epi32(_mm256_castsi256_si128(hs), _mm256_extracti128_si256(hs, 1));
+        const __m128i sm4 = _mm_add_epi32(_mm256_castsi256_si128(hm), _mm256_extracti128_si256(hm, 1));
+        /* d of the rows in lanes 0-3, dmin in 4-7 */
+        const __m128i dd = _mm_loadu_si128((const __m128i *)dpair);
+        const __m256 dm = _mm256_cvtph_ps(_mm_packus_epi32(_mm_and_si128(dd, _mm_set1_epi32(0xFFFF)), _mm_srli_epi32(dd, 16)));
+        float dyf;
+        memcpy(&dyf, ab + KVS_PACKK_D, 4);
+        const __m128 dy = _mm_set1_ps(dyf);
+        const __m128 t1 = _mm_mul_ps(_mm_mul_ps(_mm256_castps256_ps128(dm), dy), _mm_cvtepi32_ps(sa4));
+        const __m128 t2 = _mm_mul_ps(_mm_mul_ps(_mm256_extractf128_ps(dm, 1), dy), _mm_cvtepi32_ps(sm4));
+        accf = _mm_add_ps(accf, _mm_sub_ps(t1, t2));
+    }
+    float out[4];
+    _mm_storeu_ps(out, accf);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        y[r] = out[r];
+}
+
+/* Q2_K GEMM: every token as a decode (the rows of a chunk stay in L2 over
+ * the token block; Q2_K has no prompt tile of its own). */
+static void kvs_avx512_gemm_q2_K(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a, size_t a_stride,
+                                 int64_t nt, float *y, size_t y_stride)
+{
+    const int64_t nb = n / KVS_QK_K;
+    const char *W = w;
+    for (int64_t t = 0; t < nt; t++) {
+        const char *at = (const char *)a + (size_t)t * a_stride;
+        float *yt = y + (size_t)t * y_stride;
+        int64_t r = 0;
+        for (; r + 4 <= nr; r += 4)
+            kvs_avx512_q2k_gemv(4, nb, W + (size_t)r * w_stride, w_stride, at, yt + r);
+        const char *wr = W + (size_t)r * w_stride;
+        switch (nr - r) {
+        case 1: kvs_avx512_q2k_gemv(1, nb, wr, w_stride, at, yt + r); break;
+        case 2: kvs_avx512_q2k_gemv(2, nb, wr, w_stride, at, yt + r); break;
+        case 3: kvs_avx512_q2k_gemv(3, nb, wr, w_stride, at, yt + r); break;
+        default: break;
+        }
+    }
+}
+
 static void kvs_avx512_gemm_q4_K(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a, size_t a_stride,
                                  int64_t nt, float *y, size_t y_stride)
 {
@@ -851,7 +965,8 @@ static void kvs_avx512_gemm_q6_K(int64_t n, const void *w, size_t w_stride, int6
     .pack_act[KVS_TYPE_Q8_0] = kvs_avx512_pack_q8_0, .pack_act[KVS_TYPE_Q4_0] = kvs_avx512_pack_q4_0, \
     .gemm[KVS_TYPE_Q8_0] = kvs_avx512_gemm_q8_0, .gemm[KVS_TYPE_Q4_0] = kvs_avx512_gemm_q4_0,       \
     .gemm[KVS_TYPE_Q4_K] = kvs_avx512_gemm_q4_K, .gemm[KVS_TYPE_Q5_K] = kvs_avx512_gemm_q5_K,       \
-    .gemm[KVS_TYPE_Q6_K] = kvs_avx512_gemm_q6_K,                                                    \
+    .gemm[KVS_TYPE_Q6_K] = kvs_avx512_gemm_q6_K, .gemm[KVS_TYPE_Q2_K] = kvs_avx512_gemm_q2_K,       \
+    .pack_act[KVS_TYPE_Q2_K] = kvs_x86_pack_q8_Kx,                                                  \
     .gemm_packed[KVS_TYPE_Q8_0] = kvs_avx512_gemm_packed_q8_0,                                      \
     .quant_act[KVS_TYPE_F16] = kvs_avx512_quant_f16, .dot[KVS_TYPE_F16] = kvs_avx512_dot_f16,       \
     .dot_gemm[KVS_TYPE_F16] = kvs_avx512_dot_gemm_f16, .f16_scale = kvs_avx512_f16_scale,           \
