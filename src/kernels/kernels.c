@@ -67,7 +67,7 @@ size_t kvs_kernels_pack_row_bytes(enum kvs_type type, int64_t n)
         if (n <= 0 || n % 32 != 0)
             return 0;
         return (size_t)((n + 127) / 128) * KVS_PACK_QUAD_BYTES;
-    case KVS_TYPE_Q2_K: case KVS_TYPE_Q4_K: case KVS_TYPE_Q5_K: case KVS_TYPE_Q6_K:
+    case KVS_TYPE_Q2_K: case KVS_TYPE_Q3_K: case KVS_TYPE_Q4_K: case KVS_TYPE_Q5_K: case KVS_TYPE_Q6_K:
         if (n <= 0 || n % KVS_QK_K != 0)
             return 0;
         return (size_t)(n / KVS_QK_K) * KVS_PACKK_BYTES;

@@ -376,7 +376,7 @@ static void test_matmul_threads(void **state)
 }
 
 /* The register-blocked GEMM path (packed activations; Q8_0 and Q4_0 on
- * AVX-512, Q4_K, Q5_K, Q6_K on AVX2 and AVX-512, Q2_K on AVX-512; the
+ * AVX-512, Q4_K, Q5_K, Q6_K on AVX2 and AVX-512, Q2_K, Q3_K on AVX-512; the
  * K-quants' decode tiles on AVX-512 are the VNNI GEMVs) against scalar dots
  * (and the table's own vec_dot bit for bit for K-quants) for
  * every tile shape: rows 1..9 and tokens 1..TMAX cover full and partial
@@ -388,8 +388,8 @@ static void test_matmul_tiles(void **state)
 {
     (void)state;
     const struct kvs_kernels *ref = kvs_kernels_get(KVS_ISA_SCALAR);
-    static const enum kvs_type types[] = {KVS_TYPE_Q8_0, KVS_TYPE_Q4_0, KVS_TYPE_Q2_K, KVS_TYPE_Q4_K, KVS_TYPE_Q5_K,
-                                         KVS_TYPE_Q6_K};
+    static const enum kvs_type types[] = {KVS_TYPE_Q8_0, KVS_TYPE_Q4_0, KVS_TYPE_Q2_K, KVS_TYPE_Q3_K,
+                                         KVS_TYPE_Q4_K, KVS_TYPE_Q5_K, KVS_TYPE_Q6_K};
     static const int64_t Ks[] = {32, 64, 96, 128, 160, 352, 256, 1280};
     for (int isa = KVS_ISA_AVX2; isa <= KVS_ISA_NEON; isa++) {
         const struct kvs_kernels *k = kvs_kernels_get((enum kvs_isa)isa);

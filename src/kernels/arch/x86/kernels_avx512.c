@@ -826,24 +826,31 @@ static inline __attribute__((always_inline)) void kvs_avx512_kq_gemm(const int t
     }
 }
 
-/* --- Q2_K decode (one token) --------------------------------------------
+/* --- Q2_K / Q3_K decode (one token) -------------------------------------
  *
  * The same tiling as kvs_avx512_kq_gemv: R <= 4 weight rows against one
  * packed activation row (KVS_PACKK layout, 4 registers of 64 quants loaded
  * once per super-block for all rows). Element 128h + 32j + l is bits 2j,
  * 2j + 1 of qs[32h + l], so register c = 2h + p (elements 64c..64c+63) is
- * qs[32h..32h+31] broadcast to both halves, shifted by 4p / 4p + 2 (one
- * variable 16-bit shift) and ANDed with 3; its words k carry 16-element
- * sub-block 4c + k / 8, whose 4-bit scale one word permute of the row's 16
- * puts there; one maddubs (|pair| <= 2 * 3 * 128) and one vpdpwssd per 64
- * elements. The mins (sum (scales[s] >> 4) * bsums[s]) by one madd; the 4
- * rows' sums are reduced together and combined lane by lane exactly as
- * kvs_x86_dot_q2_K does: sum += d * d_y * sa - dmin * d_y * sm, super-blocks
- * in order (the same results bit for bit). */
-static inline __attribute__((always_inline)) void kvs_avx512_q2k_gemv(const int R, int64_t nb, const char *w,
-                                                                      size_t w_stride, const char *a, float *y)
+ * qs[32h..32h+31] broadcast to both halves, one variable 16-bit shift (4p /
+ * 4p + 2) and an AND with 3; Q3_K adds 4 where bit 4h + 2p (low half) / 4h +
+ * 2p + 1 (high half) of hmask[l] is set (one byte test): u = q + 4 in 0..7,
+ * the value u - 4. The words k of register c carry 16-element sub-block 4c
+ * + k / 8, whose scale (Q2_K: the 4-bit one; Q3_K: the signed 6-bit one of
+ * kvs_q3k_scale, all 16 built at once from the 12 bytes) one word permute
+ * puts there; one maddubs (|pair| <= 2 * 7 * 128) and one vpdpwssd per 64
+ * elements. Q2_K's mins (sum (scales[s] >> 4) * bsums[s]) or Q3_K's offset
+ * (4 * sum scale_s * bsums[s]) by one madd; the 4 rows are reduced and
+ * combined together lane by lane exactly as kvs_x86_dot_q2_K / _q3_K do:
+ * sum += d * d_y * sa - dmin * d_y * sm (Q3_K: sum += d * d_y * sa),
+ * super-blocks in order (the same results bit for bit). */
+static inline __attribute__((always_inline)) void kvs_avx512_q23k_gemv(const int type, const int R, int64_t nb,
+                                                                       const char *w, size_t w_stride,
+                                                                       const char *a, float *y)
 {
-    const __m512i m3 = _mm512_set1_epi8(3);
+    const size_t bb = type == KVS_TYPE_Q2_K ? sizeof(kvs_block_q2_K) : sizeof(kvs_block_q3_K);
+    const size_t qs_off = type == KVS_TYPE_Q2_K ? offsetof(kvs_block_q2_K, qs) : offsetof(kvs_block_q3_K, qs);
+    const __m512i m3 = _mm512_set1_epi8(3), b4 = _mm512_set1_epi8(4);
     const __m128i m4 = _mm_set1_epi8(0x0F);
     /* shifts of register 2h + p: 4p (low half), 4p + 2 (high half) */
     const __m512i sh0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
@@ -857,49 +864,85 @@ static inline __attribute__((always_inline)) void kvs_avx512_q2k_gemv(const int 
             A[c] = _mm512_loadu_si512((const void *)(ab + 64 * c));
         const __m256i bsums = _mm256_loadu_si256((const __m256i *)(ab + KVS_PACKK_BSUMS));
         __m256i f[4], g[4];
-        uint32_t dpair[4] = {0, 0, 0, 0}; /* per row: d, dmin (two F16) */
+        uint32_t dpair[4] = {0, 0, 0, 0}; /* per row: d, dmin (two F16; Q3_K: d, 0) */
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
             if (r >= R) {
                 f[r] = g[r] = _mm256_setzero_si256();
                 continue;
             }
-            const kvs_block_q2_K *x = (const kvs_block_q2_K *)(w + (size_t)r * w_stride + (size_t)i * sizeof(kvs_block_q2_K));
+            const char *wb = w + (size_t)r * w_stride + (size_t)i * bb;
 #if KVS_X86_KQ_PREFETCH > 0
-            _mm_prefetch((const char *)x + KVS_X86_KQ_PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)x + KVS_X86_KQ_PREFETCH + 64, _MM_HINT_T0);
+            _mm_prefetch(wb + KVS_X86_KQ_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch(wb + KVS_X86_KQ_PREFETCH + 64, _MM_HINT_T0);
 #endif
 #if KVS_X86_KQ_PREFETCH_L2 > 0
-            _mm_prefetch((const char *)x + KVS_X86_KQ_PREFETCH_L2, _MM_HINT_T1);
-            _mm_prefetch((const char *)x + KVS_X86_KQ_PREFETCH_L2 + 64, _MM_HINT_T1);
+            _mm_prefetch(wb + KVS_X86_KQ_PREFETCH_L2, _MM_HINT_T1);
+            _mm_prefetch(wb + KVS_X86_KQ_PREFETCH_L2 + 64, _MM_HINT_T1);
 #endif
-            memcpy(&dpair[r], &x->d, 4); /* d, dmin */
-            const __m128i sc = _mm_loadu_si128((const __m128i *)x->scales);
-            const __m512i S = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(sc, m4)));
-            g[r] = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), m4)), bsums);
+            __m256i S16;
+            __m512i H = _mm512_setzero_si512();
+            if (type == KVS_TYPE_Q2_K) {
+                const kvs_block_q2_K *x = (const kvs_block_q2_K *)wb;
+                memcpy(&dpair[r], &x->d, 4); /* d, dmin */
+                const __m128i sc = _mm_loadu_si128((const __m128i *)x->scales);
+                S16 = _mm256_cvtepu8_epi16(_mm_and_si128(sc, m4));
+                g[r] = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), m4)), bsums);
+            } else {
+                const kvs_block_q3_K *x = (const kvs_block_q3_K *)wb;
+                uint16_t d16;
+                memcpy(&d16, &x->d, 2);
+                dpair[r] = d16;
+                /* kvs_q3k_scale for s = 0..15: low 4 bits from the nibbles of
+                 * bytes 0-7 (s < 8 low, s >= 8 high), bits 4-5 = bits 2(s / 4)
+                 * of byte 8 + s % 4, minus 32 */
+                uint64_t b0;
+                uint32_t b8;
+                memcpy(&b0, x->scales, 8);
+                memcpy(&b8, x->scales + 8, 4);
+                const uint64_t h_lo = (uint64_t)(b8 & 0x03030303u) | (uint64_t)((b8 >> 2) & 0x03030303u) << 32;
+                const uint64_t h_hi = (uint64_t)((b8 >> 4) & 0x03030303u) | (uint64_t)((b8 >> 6) & 0x03030303u) << 32;
+                const uint64_t s_lo = (b0 & 0x0F0F0F0F0F0F0F0FULL) | h_lo << 4;
+                const uint64_t s_hi = ((b0 >> 4) & 0x0F0F0F0F0F0F0F0FULL) | h_hi << 4;
+                const __m128i sc8 = _mm_sub_epi8(_mm_set_epi64x((long long)s_hi, (long long)s_lo), _mm_set1_epi8(32));
+                S16 = _mm256_cvtepi8_epi16(sc8);
+                g[r] = _mm256_slli_epi32(_mm256_madd_epi16(S16, bsums), 2);
+                H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)x->hmask));
+            }
+            const __m512i S = _mm512_castsi256_si512(S16);
             __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
-                const __m512i Q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->qs + 32 * h)));
+                const __m512i Q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wb + qs_off + 32 * h)));
                 /* word k of register c = 2h + p: scale 4c + k / 8 (one per 128-bit lane) */
                 const __m512i i0 = _mm512_inserti64x4(
                     _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_set1_epi16((short)(8 * h)),
                                                                    _mm_set1_epi16((short)(8 * h + 1)), 1)),
                     _mm256_inserti128_si256(_mm256_set1_epi16((short)(8 * h + 2)), _mm_set1_epi16((short)(8 * h + 3)), 1), 1);
                 const __m512i i1 = _mm512_add_epi16(i0, _mm512_set1_epi16(4));
-                const __m512i v0 = _mm512_and_si512(_mm512_srlv_epi16(Q, sh0), m3);
-                const __m512i v1 = _mm512_and_si512(_mm512_srlv_epi16(Q, sh1), m3);
+                __m512i v0 = _mm512_and_si512(_mm512_srlv_epi16(Q, sh0), m3);
+                __m512i v1 = _mm512_and_si512(_mm512_srlv_epi16(Q, sh1), m3);
+                if (type == KVS_TYPE_Q3_K) {
+                    const __m512i t0 = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (4 * h))),
+                                                          _mm256_set1_epi8((char)(1 << (4 * h + 1))), 1);
+                    const __m512i t1 = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (4 * h + 2))),
+                                                          _mm256_set1_epi8((char)(1 << (4 * h + 3))), 1);
+                    v0 = _mm512_mask_add_epi8(v0, _mm512_test_epi8_mask(H, t0), v0, b4);
+                    v1 = _mm512_mask_add_epi8(v1, _mm512_test_epi8_mask(H, t1), v1, b4);
+                }
                 acc0 = _mm512_dpwssd_epi32(acc0, _mm512_maddubs_epi16(v0, A[2 * h]), _mm512_permutexvar_epi16(i0, S));
                 acc1 = _mm512_dpwssd_epi32(acc1, _mm512_maddubs_epi16(v1, A[2 * h + 1]), _mm512_permutexvar_epi16(i1, S));
             }
             const __m512i acc = _mm512_add_epi32(acc0, acc1);
             f[r] = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+            if (type == KVS_TYPE_Q3_K) {
+                f[r] = _mm256_sub_epi32(f[r], g[r]);
+                g[r] = _mm256_setzero_si256();
+            }
         }
         /* [sa_0..sa_3], [sm_0..sm_3] */
         const __m256i hs = _mm256_hadd_epi32(_mm256_hadd_epi32(f[0], f[1]), _mm256_hadd_epi32(f[2], f[3]));
-        const __m256i hm = _mm256_hadd_epi32(_mm256_hadd_epi32(g[0], g[1]), _mm256_hadd_epi32(g[2], g[3]));
         const __m128i sa4 = _mm_add_epi32(_mm256_castsi256_si128(hs), _mm256_extracti128_si256(hs, 1));
-        const __m128i sm4 = _mm_add_epi32(_mm256_castsi256_si128(hm), _mm256_extracti128_si256(hm, 1));
         /* d of the rows in lanes 0-3, dmin in 4-7 */
         const __m128i dd = _mm_loadu_si128((const __m128i *)dpair);
         const __m256 dm = _mm256_cvtph_ps(_mm_packus_epi32(_mm_and_si128(dd, _mm_set1_epi32(0xFFFF)), _mm_srli_epi32(dd, 16)));
@@ -907,8 +950,14 @@ static inline __attribute__((always_inline)) void kvs_avx512_q2k_gemv(const int 
         memcpy(&dyf, ab + KVS_PACKK_D, 4);
         const __m128 dy = _mm_set1_ps(dyf);
         const __m128 t1 = _mm_mul_ps(_mm_mul_ps(_mm256_castps256_ps128(dm), dy), _mm_cvtepi32_ps(sa4));
-        const __m128 t2 = _mm_mul_ps(_mm_mul_ps(_mm256_extractf128_ps(dm, 1), dy), _mm_cvtepi32_ps(sm4));
-        accf = _mm_add_ps(accf, _mm_sub_ps(t1, t2));
+        if (type == KVS_TYPE_Q3_K) {
+            accf = _mm_add_ps(accf, t1);
+        } else {
+            const __m256i hm = _mm256_hadd_epi32(_mm256_hadd_epi32(g[0], g[1]), _mm256_hadd_epi32(g[2], g[3]));
+            const __m128i sm4 = _mm_add_epi32(_mm256_castsi256_si128(hm), _mm256_extracti128_si256(hm, 1));
+            const __m128 t2 = _mm_mul_ps(_mm_mul_ps(_mm256_extractf128_ps(dm, 1), dy), _mm_cvtepi32_ps(sm4));
+            accf = _mm_add_ps(accf, _mm_sub_ps(t1, t2));
+        }
     }
     float out[4];
     _mm_storeu_ps(out, accf);
@@ -917,10 +966,12 @@ static inline __attribute__((always_inline)) void kvs_avx512_q2k_gemv(const int 
         y[r] = out[r];
 }
 
-/* Q2_K GEMM: every token as a decode (the rows of a chunk stay in L2 over
- * the token block; Q2_K has no prompt tile of its own). */
-static void kvs_avx512_gemm_q2_K(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a, size_t a_stride,
-                                 int64_t nt, float *y, size_t y_stride)
+/* Q2_K / Q3_K GEMM: every token as a decode (the rows of a chunk stay in L2
+ * over the token block; these types have no prompt tile of their own). */
+static inline __attribute__((always_inline)) void kvs_avx512_q23k_gemm(const int type, int64_t n, const void *w,
+                                                                       size_t w_stride, int64_t nr, const void *a,
+                                                                       size_t a_stride, int64_t nt, float *y,
+                                                                       size_t y_stride)
 {
     const int64_t nb = n / KVS_QK_K;
     const char *W = w;
@@ -929,15 +980,27 @@ static void kvs_avx512_gemm_q2_K(int64_t n, const void *w, size_t w_stride, int6
         float *yt = y + (size_t)t * y_stride;
         int64_t r = 0;
         for (; r + 4 <= nr; r += 4)
-            kvs_avx512_q2k_gemv(4, nb, W + (size_t)r * w_stride, w_stride, at, yt + r);
+            kvs_avx512_q23k_gemv(type, 4, nb, W + (size_t)r * w_stride, w_stride, at, yt + r);
         const char *wr = W + (size_t)r * w_stride;
         switch (nr - r) {
-        case 1: kvs_avx512_q2k_gemv(1, nb, wr, w_stride, at, yt + r); break;
-        case 2: kvs_avx512_q2k_gemv(2, nb, wr, w_stride, at, yt + r); break;
-        case 3: kvs_avx512_q2k_gemv(3, nb, wr, w_stride, at, yt + r); break;
+        case 1: kvs_avx512_q23k_gemv(type, 1, nb, wr, w_stride, at, yt + r); break;
+        case 2: kvs_avx512_q23k_gemv(type, 2, nb, wr, w_stride, at, yt + r); break;
+        case 3: kvs_avx512_q23k_gemv(type, 3, nb, wr, w_stride, at, yt + r); break;
         default: break;
         }
     }
+}
+
+static void kvs_avx512_gemm_q2_K(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a, size_t a_stride,
+                                 int64_t nt, float *y, size_t y_stride)
+{
+    kvs_avx512_q23k_gemm(KVS_TYPE_Q2_K, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
+}
+
+static void kvs_avx512_gemm_q3_K(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a, size_t a_stride,
+                                 int64_t nt, float *y, size_t y_stride)
+{
+    kvs_avx512_q23k_gemm(KVS_TYPE_Q3_K, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
 }
 
 static void kvs_avx512_gemm_q4_K(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a, size_t a_stride,
@@ -966,7 +1029,8 @@ static void kvs_avx512_gemm_q6_K(int64_t n, const void *w, size_t w_stride, int6
     .gemm[KVS_TYPE_Q8_0] = kvs_avx512_gemm_q8_0, .gemm[KVS_TYPE_Q4_0] = kvs_avx512_gemm_q4_0,       \
     .gemm[KVS_TYPE_Q4_K] = kvs_avx512_gemm_q4_K, .gemm[KVS_TYPE_Q5_K] = kvs_avx512_gemm_q5_K,       \
     .gemm[KVS_TYPE_Q6_K] = kvs_avx512_gemm_q6_K, .gemm[KVS_TYPE_Q2_K] = kvs_avx512_gemm_q2_K,       \
-    .pack_act[KVS_TYPE_Q2_K] = kvs_x86_pack_q8_Kx,                                                  \
+    .gemm[KVS_TYPE_Q3_K] = kvs_avx512_gemm_q3_K, .pack_act[KVS_TYPE_Q2_K] = kvs_x86_pack_q8_Kx,     \
+    .pack_act[KVS_TYPE_Q3_K] = kvs_x86_pack_q8_Kx,                                                  \
     .gemm_packed[KVS_TYPE_Q8_0] = kvs_avx512_gemm_packed_q8_0,                                      \
     .quant_act[KVS_TYPE_F16] = kvs_avx512_quant_f16, .dot[KVS_TYPE_F16] = kvs_avx512_dot_f16,       \
     .dot_gemm[KVS_TYPE_F16] = kvs_avx512_dot_gemm_f16, .f16_scale = kvs_avx512_f16_scale,           \
