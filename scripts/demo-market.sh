@@ -23,14 +23,16 @@ trap 'kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null; rm -rf "$W"' EXIT
 mkdir -p "$W/seed"
 cp "$MODEL" "$W/seed/"
 name=$(basename "$MODEL")
-$B shard index "$W/seed/$name" -o "$W/seed/$name.kvindex.json" >/dev/null
+# the index (per-tensor digests) and the model's content id, which the listing carries: each node
+# checks what it fetched against that id, not only against the seed's own index (trusted=yes)
+cid=$($B shard index "$W/seed/$name" -o "$W/seed/$name.kvindex.json" | sed -n 's/^content_id=//p')
 $B seed "$W/seed" --port 0 --port-file "$W/seed.port" 2>"$W/seed.log" & pids+=($!)
 $B market --listen 127.0.0.1:0 --db "$W/market.sqlite" --lease-ms 5000 2>"$W/market.log" & pids+=($!)
 for _ in $(seq 100); do [ -s "$W/seed.port" ] && grep -q "listening on" "$W/market.log" && break; sleep 0.1; done
 SEED=http://127.0.0.1:$(cat "$W/seed.port")
 MK=$(grep -o 'http://[0-9.]*:[0-9]*' "$W/market.log" | head -1)
 echo "== market on $MK (the map: open it in a browser), seed on $SEED" >&2
-$B market add --market "$MK" --url "$SEED/$name" --index "$SEED/$name.kvindex.json" >&2
+$B market add --market "$MK" --url "$SEED/$name" --index "$SEED/$name.kvindex.json" --content-id "$cid" >&2
 # the model's whole-ring memory, from the map's profile: each node gets a budget of about a third
 total=$(curl -s "$MK/map" | python3 -c "
 import json,sys
