@@ -534,10 +534,22 @@ out:
     return e;
 }
 
-/* Looks up claim id inside a transaction and checks the token: 0 ok (holder),
- * else a reply was written and the transaction rolled back. */
-static int check_holder(struct kvs_market *m, int64_t id, const char *token, struct kvs_market_reply *r, kvs_err *e)
+/* Under m->mu: begins a transaction, purges the claims expired at `now`,
+ * looks up claim id and checks the token. 0: the caller holds the claim and
+ * the transaction is open; else a reply was written (*e) and nothing is
+ * open. */
+static int begin_as_holder(struct kvs_market *m, int64_t id, const char *token, int64_t now,
+                           struct kvs_market_reply *r, kvs_err *e)
 {
+    if (!begin(m)) {
+        *e = reply_db(m, r);
+        return -1;
+    }
+    if (!purge(m, now)) {
+        rollback(m);
+        *e = reply_db(m, r);
+        return -1;
+    }
     sqlite3_stmt *st;
     if (sqlite3_prepare_v2(m->db, "SELECT token FROM claims WHERE id=?", -1, &st, NULL) != SQLITE_OK) {
         rollback(m);
@@ -573,16 +585,7 @@ static kvs_err handle_renew(struct kvs_market *m, int64_t id, const char *body, 
     kvs_err e = kvs_market_parse_renew(body, len, &q, err, sizeof err);
     if (e) return reply_error(r, 400, "bad_request", "%s", err);
     pthread_mutex_lock(&m->mu);
-    if (!begin(m)) {
-        e = reply_db(m, r);
-        goto out;
-    }
-    if (!purge(m, now)) {
-        rollback(m);
-        e = reply_db(m, r);
-        goto out;
-    }
-    if (check_holder(m, id, q.token, r, &e)) goto out;
+    if (begin_as_holder(m, id, q.token, now, r, &e)) goto out;
     sqlite3_stmt *st;
     if (sqlite3_prepare_v2(m->db,
                            "UPDATE claims SET expires_ms=?, renewed_ms=?, ready=CASE WHEN ? THEN ? ELSE ready END,"
@@ -634,16 +637,7 @@ static kvs_err handle_edge(struct kvs_market *m, int64_t id, const char *body, s
     if (e) return reply_error(r, 400, "bad_request", "%s", err);
     if (!m->relay_secret_len) return reply_error(r, 404, "no_relay", "this market hands out no relay edges (no --relay-secret)");
     pthread_mutex_lock(&m->mu);
-    if (!begin(m)) {
-        e = reply_db(m, r);
-        goto out;
-    }
-    if (!purge(m, now)) {
-        rollback(m);
-        e = reply_db(m, r);
-        goto out;
-    }
-    if (check_holder(m, id, q.token, r, &e)) goto out;
+    if (begin_as_holder(m, id, q.token, now, r, &e)) goto out;
     sqlite3_stmt *st;
     if (sqlite3_prepare_v2(m->db,
                            "SELECT c.model, c.ring, c.e, l.n_block FROM claims c JOIN listings l ON l.name = c.model"
@@ -687,16 +681,7 @@ static kvs_err handle_release(struct kvs_market *m, int64_t id, const char *body
     kvs_err e = kvs_market_parse_release(body, len, &q, err, sizeof err);
     if (e) return reply_error(r, 400, "bad_request", "%s", err);
     pthread_mutex_lock(&m->mu);
-    if (!begin(m)) {
-        e = reply_db(m, r);
-        goto out;
-    }
-    if (!purge(m, now)) {
-        rollback(m);
-        e = reply_db(m, r);
-        goto out;
-    }
-    if (check_holder(m, id, q.token, r, &e)) goto out;
+    if (begin_as_holder(m, id, q.token, now, r, &e)) goto out;
     sqlite3_stmt *st;
     int rc = SQLITE_ERROR;
     if (sqlite3_prepare_v2(m->db, "DELETE FROM claims WHERE id=?", -1, &st, NULL) == SQLITE_OK) {

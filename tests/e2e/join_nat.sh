@@ -64,26 +64,8 @@ timeline=()
 mark() { local l; l="$(at)  $*"; timeline+=("$l"); echo "$l"; }
 
 # --- the network (as tests/e2e/relay_nat.sh) ----------------------------------------
-for n in $PUB $CAR $PH; do ip netns add $n; ip -n $n link set lo up; done
-ip link add wan netns $CAR type veth peer name pub0 netns $PUB
-ip link add lan netns $CAR type veth peer name ph0 netns $PH
-ip -n $PUB addr add $A.1/24 dev pub0; ip -n $PUB link set pub0 up
-ip -n $CAR addr add $A.2/24 dev wan; ip -n $CAR link set wan up
-ip -n $CAR addr add $B.1/24 dev lan; ip -n $CAR link set lan up
-ip -n $PH addr add $B.2/24 dev ph0; ip -n $PH link set ph0 up
-ip -n $PH route add default via $B.1
-ip -n $PUB route add $B.0/24 via $A.2 # public knows the way in: only the NAT keeps it out
-car sysctl -qw net.ipv4.ip_forward=1
-car nft -f - <<EOF
-table ip kvnat {
-  chain nat_out { type nat hook postrouting priority 100; oifname "wan" masquerade; }
-  chain filter_fwd {
-    type filter hook forward priority 0; policy drop;
-    ct state established,related accept
-    iifname "lan" oifname "wan" accept
-  }
-}
-EOF
+. "$(dirname "$0")/tools/nat_net.sh"
+nat_net_up $PUB $CAR $PH $A $B || fail "cannot build the namespaces"
 
 # --- public: seed, relay, market ----------------------------------------------------
 M=aidreams260K
@@ -111,14 +93,22 @@ mark "market, seed and relay up; $M listed"
 seed0=$(pub curl -sf "$SEED/stats" | py "import json,sys; print(json.load(sys.stdin)['bytes_served'])")
 
 # --- the nodes: a [0,2) and c [3,4) public, the phone [2,3) through the relay, d a spare ---
-claim_of() { # node -> "begin end" of its claim
+claim_of() { # node [model, default $M] -> "begin end" of its claim on that model
   pub curl -sf "$MK/map" | py "
 import json,sys
-for r in json.load(sys.stdin)['models'][0]['coverage']:
-  for c in r['claims']:
-    if c['node']=='$1': print(c['begin'], c['end'])"
+for m in json.load(sys.stdin)['models']:
+  if m['name'] != '${2:-$M}': continue
+  for r in m['coverage']:
+    for c in r['claims']:
+      if c['node']=='$1': print(c['begin'], c['end'])"
 }
-wait_claim() { for _ in $(seq 200); do c=$(claim_of "$1"); [ -n "$c" ] && { echo "$c"; return 0; }; sleep 0.05; done; return 1; }
+wait_claim() { # node [model]: its claim, once the map shows one (15 s at most)
+  for _ in $(seq 300); do c=$(claim_of "$@"); [ -n "$c" ] && { echo "$c"; return 0; }; sleep 0.05; done; return 1
+}
+want_credits() { # "node:tokens:credit ..." what: waits 5 s at most for the ledger to say exactly that
+  for _ in $(seq 100); do [ "$(credits)" = "$1" ] && return 0; sleep 0.05; done
+  fail "ledger $2: '$(credits)', want '$1' (node:tokens:credit)"
+}
 join_pub() { # name mem poll-ms
   ip netns exec $PUB "$BIN" join --market "$MK" --mem "$2" --name "$1" --listen $A.1:0 --cache "$T/cache-$1" --threads 1 \
     --poll-ms "$3" >"$T/$1.log" 2>&1 &
@@ -177,8 +167,7 @@ credits() { pub curl -sf "$MK/ledger" | py "
 import json,sys
 print(' '.join('%s:%d:%d' % (n['node'], n['tokens'], n['credit']) for n in sorted(json.load(sys.stdin)['nodes'], key=lambda n: n['node'])))"; }
 want1="a:$NREF:$((2 * NREF)) c:$NREF:$NREF phone:$NREF:$NREF"
-for _ in $(seq 100); do [ "$(credits)" = "$want1" ] && break; sleep 0.05; done
-[ "$(credits)" = "$want1" ] || fail "ledger: '$(credits)', want '$want1' (node:tokens:credit)"
+want_credits "$want1" "after the first request"
 mark "credited: phone $NREF tokens x 1 block = $NREF; a x 2 = $((2 * NREF)); c x 1 = $NREF"
 
 # --- bytes: each node received its window, not the file ---------------------------------
@@ -244,8 +233,7 @@ done
 mark "ring serves the reference again (a, d, c)"
 bytes d
 want2="a:$((2 * NREF)):$((4 * NREF)) c:$((2 * NREF)):$((2 * NREF)) d:$NREF:$NREF phone:$NREF:$NREF"
-for _ in $(seq 100); do [ "$(credits)" = "$want2" ] && break; sleep 0.05; done
-[ "$(credits)" = "$want2" ] || fail "ledger after healing: '$(credits)', want '$want2'"
+want_credits "$want2" "after healing"
 mark "credited: phone keeps $NREF; d $NREF; a $((4 * NREF)); c $((2 * NREF))"
 
 # --- a second, larger model: qwen3-q8_0 (27.6 MB, a 151,669-token vocabulary, tied output) --------
@@ -259,23 +247,13 @@ pub "$BIN" market add --market "$MK" --url "$SEED/$M2.gguf" --index "$SEED/$M2.g
   --ctx 128 --seqs 2 >/dev/null || fail "market add $M2"
 seed0=$(pub curl -sf "$SEED/stats" | py "import json,sys; print(json.load(sys.stdin)['bytes_served'])") # after the market's header read
 mark "$M2 listed"
-claim2_of() { # node -> "begin end" of its claim on the second model
-  pub curl -sf "$MK/map" | py "
-import json,sys
-for m in json.load(sys.stdin)['models']:
-  if m['name'] != '$M2': continue
-  for r in m['coverage']:
-    for c in r['claims']:
-      if c['node']=='$1': print(c['begin'], c['end'])"
-}
-wait_claim2() { for _ in $(seq 300); do c=$(claim2_of "$1"); [ -n "$c" ] && { echo "$c"; return 0; }; sleep 0.05; done; return 1; }
 join_pub e 23700000 200 # [0,1) needs 23,117,864 bytes, [0,2) 23,511,592, [0,3) 23,905,320
-[ "$(wait_claim2 e)" = "0 2" ] || fail "e claimed '$(claim2_of e)' of $M2, want [0,2)"
+[ "$(wait_claim e $M2)" = "0 2" ] || fail "e claimed '$(claim_of e $M2)' of $M2, want [0,2)"
 ip netns exec $PH "$BIN" join --market "$MK" --mem 3000000 --name phone2 --relay wss://$A.1 --cache "$T/cache-phone2" \
   --threads 1 --poll-ms 200 >"$T/phone2.log" 2>&1 & # [2,3) needs 2,490,880 bytes
-[ "$(wait_claim2 phone2)" = "2 3" ] || fail "phone2 claimed '$(claim2_of phone2)' of $M2, want [2,3)"
+[ "$(wait_claim phone2 $M2)" = "2 3" ] || fail "phone2 claimed '$(claim_of phone2 $M2)' of $M2, want [2,3)"
 join_pub f 24500000 200 # [3,4), the tail with the tied output, needs 24,331,728
-[ "$(wait_claim2 f)" = "3 4" ] || fail "f claimed '$(claim2_of f)' of $M2, want [3,4)"
+[ "$(wait_claim f $M2)" = "3 4" ] || fail "f claimed '$(claim_of f $M2)' of $M2, want [3,4)"
 mark "$M2 map filled: e [0,2), phone2 [2,3) through the relay, f [3,4)"
 API2=
 for _ in $(seq 400); do
@@ -302,8 +280,7 @@ got2=$(pub curl -s -m 60 "$API2/v1/completions" -d "{\"prompt\":$PROMPT2,\"max_t
 mark "$M2: the $NREF2-token reference text (the prompt's token ids from $M2.ref.json)"
 want3="a:$((2 * NREF)):$((4 * NREF)) c:$((2 * NREF)):$((2 * NREF)) d:$NREF:$NREF e:$NREF2:$((2 * NREF2)) f:$NREF2:$NREF2"
 want3="$want3 phone:$NREF:$NREF phone2:$NREF2:$NREF2"
-for _ in $(seq 100); do [ "$(credits)" = "$want3" ] && break; sleep 0.05; done
-[ "$(credits)" = "$want3" ] || fail "ledger after $M2: '$(credits)', want '$want3'"
+want_credits "$want3" "after $M2"
 mark "credited: phone2 $NREF2 tokens x 1 block = $NREF2; e x 2 = $((2 * NREF2)); f x 1 = $NREF2"
 size=$(stat -c %s "$T/seed/$M2.gguf")
 isz=$(stat -c %s "$T/seed/$M2.gguf.kvindex.json")

@@ -45,27 +45,8 @@ ph() { ip netns exec $PH "$@"; }
 # background processes start with `ip netns exec` itself (it execs: $! is the process, not a subshell)
 
 # --- the network ---------------------------------------------------------------
-for n in $PUB $CAR $PH; do ip netns add $n; ip -n $n link set lo up; done
-ip link add wan netns $CAR type veth peer name pub0 netns $PUB
-ip link add lan netns $CAR type veth peer name ph0 netns $PH
-ip -n $PUB addr add $A.1/24 dev pub0; ip -n $PUB link set pub0 up
-ip -n $CAR addr add $A.2/24 dev wan; ip -n $CAR link set wan up
-ip -n $CAR addr add $B.1/24 dev lan; ip -n $CAR link set lan up
-ip -n $PH addr add $B.2/24 dev ph0; ip -n $PH link set ph0 up
-ip -n $PH route add default via $B.1
-# public even knows a route to the carrier's inside: only the NAT keeps it out
-ip -n $PUB route add $B.0/24 via $A.2
-car sysctl -qw net.ipv4.ip_forward=1
-car nft -f - <<EOF
-table ip kvnat {
-  chain nat_out { type nat hook postrouting priority 100; oifname "wan" masquerade; }
-  chain filter_fwd {
-    type filter hook forward priority 0; policy drop;
-    ct state established,related accept
-    iifname "lan" oifname "wan" accept
-  }
-}
-EOF
+. "$(dirname "$0")/tools/nat_net.sh"
+nat_net_up $PUB $CAR $PH $A $B || fail "cannot build the namespaces"
 ph timeout 5 bash -c "exec 3<>/dev/tcp/$A.1/9" 2>/dev/null && true # warm ARP; port 9 is closed anyway
 
 # --- the relay: TLS with a self-signed certificate for its address ---------------

@@ -34,13 +34,8 @@ static struct kvs_market *open_db(const char *path)
 
 static struct kvs_market *open_toy(const char *path)
 {
-    struct kvs_market_params p = kvs_market_default_params();
-    p.db_path = path;
-    p.lease_ms = 60000;
-    p.max_body = 65536;
-    struct kvs_market *m = NULL;
+    struct kvs_market *m = open_db(path);
     char err[256];
-    assert_int_equal(kvs_market_open(&p, &m, err, sizeof err), KVS_OK);
     const char *names[] = { "toy", "other" };
     for (int i = 0; i < 2; i++) {
         struct kvs_plan_model *pm = calloc(1, sizeof *pm);

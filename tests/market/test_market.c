@@ -38,15 +38,12 @@ static struct kvs_plan_model *toy_profile(void)
     return m;
 }
 
-static struct kvs_market *open_toy(const char *path, int64_t lease_ms)
+/* A market opened with p, listing "toy" (2 rings). */
+static struct kvs_market *open_toy_with(const struct kvs_market_params *p)
 {
-    struct kvs_market_params p = kvs_market_default_params();
-    p.db_path = path;
-    p.lease_ms = lease_ms;
-    p.max_body = 4096;
     struct kvs_market *m = NULL;
     char err[256];
-    assert_int_equal(kvs_market_open(&p, &m, err, sizeof err), KVS_OK);
+    assert_int_equal(kvs_market_open(p, &m, err, sizeof err), KVS_OK);
     struct kvs_market_listing_req q = { .rings = 2, .seqs = 1 };
     snprintf(q.name, sizeof q.name, "toy");
     snprintf(q.url, sizeof q.url, "http://127.0.0.1:1/toy.gguf");
@@ -54,6 +51,15 @@ static struct kvs_market *open_toy(const char *path, int64_t lease_ms)
     assert_int_equal(kvs_market_add_listing(m, &q, pm, err, sizeof err), KVS_OK);
     free(pm);
     return m;
+}
+
+static struct kvs_market *open_toy(const char *path, int64_t lease_ms)
+{
+    struct kvs_market_params p = kvs_market_default_params();
+    p.db_path = path;
+    p.lease_ms = lease_ms;
+    p.max_body = 4096;
+    return open_toy_with(&p);
 }
 
 /* handle() -> status; body kept in *body if asked. */
@@ -519,14 +525,7 @@ static void test_relay_claims(void **state)
     p.relay_secret = (const uint8_t *)secret;
     p.relay_secret_len = strlen(secret);
     p.relay_pin = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
-    char err[256];
-    assert_int_equal(kvs_market_open(&p, &m, err, sizeof err), KVS_OK);
-    struct kvs_market_listing_req q = { .rings = 2, .seqs = 1 };
-    snprintf(q.name, sizeof q.name, "toy");
-    snprintf(q.url, sizeof q.url, "http://127.0.0.1:1/toy.gguf");
-    struct kvs_plan_model *pm = toy_profile();
-    assert_int_equal(kvs_market_add_listing(m, &q, pm, err, sizeof err), KVS_OK);
-    free(pm);
+    m = open_toy_with(&p);
     /* a relay URL with a path, or another scheme: refused */
     const char *bad[] = { "wss://10.0.0.1/edge/x", "http://10.0.0.1", "wss://", "wss://a b" };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
@@ -593,6 +592,7 @@ static void test_relay_claims(void **state)
     assert_non_null(strstr(id, "-r63-b4000000000"));
     assert_int_equal(kvs_relay_token(secret, strlen(secret), id, tok), KVS_OK);
     /* bad params */
+    char err[256];
     p.relay_secret_len = 8;
     assert_int_equal(kvs_market_open(&p, &m, err, sizeof err), KVS_ERR_ARG);
     p.relay_secret_len = strlen(secret);

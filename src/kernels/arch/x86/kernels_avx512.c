@@ -640,6 +640,24 @@ static void kvs_avx512_f16_mad(uint16_t *y, const uint16_t *x, float s, int64_t 
         kvs_ref_f16_mad(y + np, x + np, s, n - np);
 }
 
+/* One token's outputs y[0, nr) of rows W (stride w_stride) through a 4-row
+ * decode GEMV(type, R, nb, rows, w_stride, act, y): tiles of 4 rows, then the
+ * 1-3 rows left, each with R a constant (its own specialisation of the
+ * always-inline GEMV). */
+#define KVS_AVX512_ROW_TILES(GEMV, type, nb, W, w_stride, act, y, nr)                                         \
+    do {                                                                                                       \
+        int64_t r_ = 0;                                                                                        \
+        for (; r_ + 4 <= (nr); r_ += 4)                                                                        \
+            GEMV(type, 4, nb, (W) + (size_t)r_ * (w_stride), w_stride, act, (y) + r_);                         \
+        const char *wr_ = (W) + (size_t)r_ * (w_stride);                                                       \
+        switch ((nr) - r_) {                                                                                   \
+        case 1: GEMV(type, 1, nb, wr_, w_stride, act, (y) + r_); break;                                        \
+        case 2: GEMV(type, 2, nb, wr_, w_stride, act, (y) + r_); break;                                        \
+        case 3: GEMV(type, 3, nb, wr_, w_stride, act, (y) + r_); break;                                        \
+        default: break;                                                                                        \
+        }                                                                                                      \
+    } while (0)
+
 /* --- Q4_K / Q5_K / Q6_K decode (one token) -------------------------------
  *
  * A tile of R <= 4 weight rows against the one packed activation row
@@ -812,18 +830,7 @@ static inline __attribute__((always_inline)) void kvs_avx512_kq_gemm(const int t
         kvs_x86_kq_gemm(type, n, w, w_stride, nr, a, a_stride, nt, y, y_stride);
         return;
     }
-    const int64_t nb = n / KVS_QK_K;
-    const char *W = w;
-    int64_t r = 0;
-    for (; r + 4 <= nr; r += 4)
-        kvs_avx512_kq_gemv(type, 4, nb, W + (size_t)r * w_stride, w_stride, a, y + r);
-    const char *wr = W + (size_t)r * w_stride;
-    switch (nr - r) {
-    case 1: kvs_avx512_kq_gemv(type, 1, nb, wr, w_stride, a, y + r); break;
-    case 2: kvs_avx512_kq_gemv(type, 2, nb, wr, w_stride, a, y + r); break;
-    case 3: kvs_avx512_kq_gemv(type, 3, nb, wr, w_stride, a, y + r); break;
-    default: break;
-    }
+    KVS_AVX512_ROW_TILES(kvs_avx512_kq_gemv, type, n / KVS_QK_K, (const char *)w, w_stride, a, y, nr);
 }
 
 /* --- Q2_K / Q3_K decode (one token) -------------------------------------
@@ -973,22 +980,9 @@ static inline __attribute__((always_inline)) void kvs_avx512_q23k_gemm(const int
                                                                        size_t a_stride, int64_t nt, float *y,
                                                                        size_t y_stride)
 {
-    const int64_t nb = n / KVS_QK_K;
-    const char *W = w;
-    for (int64_t t = 0; t < nt; t++) {
-        const char *at = (const char *)a + (size_t)t * a_stride;
-        float *yt = y + (size_t)t * y_stride;
-        int64_t r = 0;
-        for (; r + 4 <= nr; r += 4)
-            kvs_avx512_q23k_gemv(type, 4, nb, W + (size_t)r * w_stride, w_stride, at, yt + r);
-        const char *wr = W + (size_t)r * w_stride;
-        switch (nr - r) {
-        case 1: kvs_avx512_q23k_gemv(type, 1, nb, wr, w_stride, at, yt + r); break;
-        case 2: kvs_avx512_q23k_gemv(type, 2, nb, wr, w_stride, at, yt + r); break;
-        case 3: kvs_avx512_q23k_gemv(type, 3, nb, wr, w_stride, at, yt + r); break;
-        default: break;
-        }
-    }
+    for (int64_t t = 0; t < nt; t++)
+        KVS_AVX512_ROW_TILES(kvs_avx512_q23k_gemv, type, n / KVS_QK_K, (const char *)w, w_stride,
+                             (const char *)a + (size_t)t * a_stride, y + (size_t)t * y_stride, nr);
 }
 
 static void kvs_avx512_gemm_q2_K(int64_t n, const void *w, size_t w_stride, int64_t nr, const void *a, size_t a_stride,
